@@ -1,0 +1,54 @@
+"""Backbones (one factory, through timm) and the projection / prediction heads of the methods."""
+from __future__ import annotations
+
+import timm
+import torch
+from torch import nn
+
+STEMS = ("imagenet", "small", "small_stride2")
+
+
+def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = None) -> nn.Module:
+    """Build a timm backbone that returns pooled features; `backbone.num_features` is their width.
+
+    stem: "imagenet" keeps the architecture's own stem. For small images (32 px) on ResNets,
+      "small" is a 3x3 stride-1 convolution without max-pool (the CIFAR stem of SimCLR / SimSiam) and
+      "small_stride2" a 3x3 stride-2 convolution without max-pool (4x cheaper, for CPU runs).
+    image_size: input side for ViTs (their position embedding depends on it); ignored by ResNets.
+    """
+    if stem not in STEMS:
+        raise ValueError(f"model.stem={stem!r} is not one of {STEMS}")
+    kwargs = {"num_classes": 0}
+    if arch.startswith("vit") and image_size is not None:
+        kwargs["img_size"] = image_size
+    try:
+        backbone = timm.create_model(arch, pretrained=False, **kwargs)
+    except RuntimeError as error:  # timm: "Unknown model (...)"
+        raise ValueError(f"model.arch={arch!r} is not a timm model name ({error}); "
+                         "try resnet18, resnet50 or vit_small_patch16_224") from None
+    if stem != "imagenet":
+        if not hasattr(backbone, "conv1") or not hasattr(backbone, "maxpool"):
+            raise ValueError(f"model.stem={stem!r} needs a ResNet-style backbone; {arch!r} has no conv1/maxpool. "
+                             "Use model.stem=imagenet for this architecture.")
+        stride = 1 if stem == "small" else 2
+        backbone.conv1 = nn.Conv2d(3, backbone.conv1.out_channels, 3, stride, 1, bias=False)
+        backbone.maxpool = nn.Identity()
+    return backbone
+
+
+def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: bool = False) -> nn.Sequential:
+    """Linear-BN-ReLU blocks then a final linear (optionally followed by a BatchNorm without affine)."""
+    layers: list[nn.Module] = []
+    dim = in_dim
+    for _ in range(num_layers - 1):
+        layers += [nn.Linear(dim, hidden_dim, bias=False), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True)]
+        dim = hidden_dim
+    layers.append(nn.Linear(dim, out_dim, bias=not last_bn))
+    if last_bn:
+        layers.append(nn.BatchNorm1d(out_dim, affine=False))
+    return nn.Sequential(*layers)
+
+
+@torch.no_grad()
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
