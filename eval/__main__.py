@@ -1,0 +1,253 @@
+"""Command line of the evaluation stage: `python -m eval knn|linear --run RUN_DIR`.
+
+Each command reads only the backbone export (RUN_DIR/backbone.pth or --checkpoint FILE) and the run
+config saved inside it, encodes the train and val .beton files with the frozen backbone (features are
+cached in RUN_DIR/eval/features_step{step}.pt), runs its protocol and writes
+RUN_DIR/eval/{protocol}_step{step}.json plus TensorBoard scalars `eval/...` on RUN_DIR/tb at the export's
+step. User errors (missing or mismatched checkpoint, missing .beton) print one message and exit with 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.features import (BackboneExport, EvaluationInputError, evaluation_image_size, extract_features,
+                           load_backbone_export, resolve_beton_path, resolve_checkpoint_path, resolve_device)
+from eval.knn import weighted_knn
+from eval.linear import train_linear_probe, train_linear_probe_on_views
+
+# ============ inputs: checkpoint, data, features ============
+
+
+class EvaluationInputs:
+    """The export under evaluation, where results go, and the data it is evaluated on (resolved from args)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.checkpoint = resolve_checkpoint_path(args.run, args.checkpoint)
+        self.out_dir = Path(args.run) if args.run is not None else self.checkpoint.parent
+        self.device = resolve_device(args.device)
+        self.export: BackboneExport = load_backbone_export(self.checkpoint, args.image_size)
+        config = self.export.config
+        self.image_size = args.image_size or evaluation_image_size(config)
+        if self.image_size is None:
+            raise EvaluationInputError(f"the config in {self.checkpoint} has no data.views[0].size: "
+                                       "pass --image-size PIXELS")
+        self.train_path = resolve_beton_path(args.train, config, "train")
+        self.val_path = resolve_beton_path(args.val, config, "val")
+        data = config.get("data", {})
+        self.mean = data.get("mean")
+        self.std = data.get("std")
+        if self.mean is None or self.std is None:
+            raise EvaluationInputError(f"the config in {self.checkpoint} has no data.mean / data.std to normalise "
+                                       "images with; re-export the backbone from a run with a complete config")
+        self.num_workers = args.num_workers if args.num_workers is not None else int(data.get("num_workers", 2))
+        self.batch_size = args.feature_batch_size
+        self.use_cache = not args.no_cache
+
+    @property
+    def cache_path(self) -> Path:
+        return self.out_dir / "eval" / f"features_step{self.export.step:07d}.pt"
+
+    def cache_key(self) -> dict[str, Any]:
+        """What the cached features depend on; a cache with another key is recomputed, never reused."""
+        stat = self.checkpoint.stat()
+        return {"checkpoint": str(self.checkpoint.resolve()), "checkpoint_mtime_ns": stat.st_mtime_ns,
+                "checkpoint_bytes": stat.st_size, "train": str(self.train_path.resolve()),
+                "val": str(self.val_path.resolve()), "image_size": int(self.image_size),
+                "mean": list(self.mean), "std": list(self.std)}
+
+    def image_loader(self, path: Path):
+        """All images of `path` in dataset order, resized to the evaluation size, without augmentation."""
+        from pretrain.data.loader import build_image_loader  # the FFCV data path is imported only when needed
+        return build_image_loader(path, self.image_size, self.batch_size, device=self.device, mean=self.mean,
+                                  std=self.std, num_workers=self.num_workers)
+
+    def features(self) -> dict[str, torch.Tensor]:
+        """`{train_features, train_labels, val_features, val_labels}` from the cache or a fresh extraction."""
+        key = self.cache_key()
+        if self.use_cache and self.cache_path.is_file():
+            cached = torch.load(self.cache_path, map_location="cpu", weights_only=True)
+            if cached.get("key") == key:
+                return cached["features"]
+        backbone = self.export.backbone.to(self.device).eval()
+        train_features, train_labels = extract_features(backbone, self.image_loader(self.train_path), self.device)
+        val_features, val_labels = extract_features(backbone, self.image_loader(self.val_path), self.device)
+        features = {"train_features": train_features, "train_labels": train_labels,
+                    "val_features": val_features, "val_labels": val_labels}
+        if self.use_cache:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"key": key, "features": features}, self.cache_path)
+        return features
+
+
+# ============ outputs: JSON, TensorBoard, console ============
+
+
+def write_results(inputs: EvaluationInputs, protocol: str, top1: dict[str, float] | float,
+                  scalars: dict[str, float], details: dict[str, Any]) -> Path:
+    """Write RUN_DIR/eval/{protocol}_step{step:07d}.json and the TensorBoard `scalars` at the export's step."""
+    from torch.utils.tensorboard import SummaryWriter  # tensorboard import is slow; only pay for it here
+
+    export = inputs.export
+    result = {"protocol": protocol, "step": export.step, "epoch": export.epoch,
+              "checkpoint": str(inputs.checkpoint), "arch": export.arch, "top1": top1,
+              "train": str(inputs.train_path), "val": str(inputs.val_path), **details}
+    path = inputs.out_dir / "eval" / f"{protocol}_step{export.step:07d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    writer = SummaryWriter(log_dir=str(inputs.out_dir / "tb"))
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, global_step=export.step)
+    writer.close()
+    return path
+
+
+def print_header(title: str, inputs: EvaluationInputs, num_train: int, num_val: int, seconds: float) -> None:
+    export = inputs.export
+    print(f"{title}: {export.arch} at step {export.step} (epoch {export.epoch}), "
+          f"{num_train} train / {num_val} val images, {seconds:.1f} s")
+
+
+# ============ protocols ============
+
+
+def run_knn(args: argparse.Namespace) -> Path:
+    """Weighted k-NN top-1 for every k; returns the JSON file written."""
+    started = time.perf_counter()
+    inputs = EvaluationInputs(args)
+    features = inputs.features()
+    train_features = features["train_features"].to(inputs.device)
+    top1 = weighted_knn(train_features, features["train_labels"], features["val_features"],
+                        features["val_labels"], ks=args.ks, temperature=args.temperature,
+                        chunk_size=args.chunk_size)
+    seconds = time.perf_counter() - started
+    num_train, num_val = len(features["train_labels"]), len(features["val_labels"])
+    path = write_results(inputs, "knn", {str(k): accuracy for k, accuracy in top1.items()},
+                         {f"eval/knn_top1_k{k}": accuracy for k, accuracy in top1.items()},
+                         {"temperature": args.temperature, "num_train": num_train, "num_val": num_val,
+                          "seconds": round(seconds, 3)})
+    print_header(f"weighted k-NN (T={args.temperature})", inputs, num_train, num_val, seconds)
+    print("      k   top-1")
+    for k, accuracy in top1.items():
+        print(f"  {k:5d}  {100 * accuracy:6.2f}%")
+    print(f"results: {path}")
+    return path
+
+
+def run_linear(args: argparse.Namespace) -> Path:
+    """Linear probe on frozen features (cached, or fresh augmented views with --augment); returns the JSON."""
+    started = time.perf_counter()
+    inputs = EvaluationInputs(args)
+    features = inputs.features()
+    num_train, num_val = len(features["train_labels"]), len(features["val_labels"])
+    if args.augment:
+        protocol, tag = "linear_augmented", "eval/linear_augmented_top1"
+        num_classes = int(max(features["train_labels"].max(), features["val_labels"].max())) + 1
+        top1 = train_linear_probe_on_views(inputs.export.backbone, build_augmented_views(inputs, args),
+                                           features["val_features"], features["val_labels"],
+                                           num_classes=num_classes, epochs=args.epochs, lr=args.lr,
+                                           momentum=args.momentum, weight_decay=args.weight_decay,
+                                           device=inputs.device, seed=args.seed)
+    else:
+        protocol, tag = "linear", "eval/linear_top1"
+        top1 = train_linear_probe(features["train_features"], features["train_labels"],
+                                  features["val_features"], features["val_labels"], epochs=args.epochs,
+                                  lr=args.lr, batch_size=args.batch_size, momentum=args.momentum,
+                                  weight_decay=args.weight_decay, device=inputs.device, seed=args.seed)
+    seconds = time.perf_counter() - started
+    path = write_results(inputs, protocol, top1, {tag: top1},
+                         {"epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size,
+                          "augment": bool(args.augment), "seed": args.seed, "num_train": num_train,
+                          "num_val": num_val, "seconds": round(seconds, 3)})
+    title = "linear probe" + (" (augmented views)" if args.augment else " (cached features)")
+    print_header(title, inputs, num_train, num_val, seconds)
+    print(f"  epochs {args.epochs}   top-1 {100 * top1:6.2f}%")
+    print(f"results: {path}")
+    return path
+
+
+def build_augmented_views(inputs: EvaluationInputs, args: argparse.Namespace):
+    """The training set as one RandomResizedCrop(0.08-1) + flip view per image, fresh every epoch."""
+    from pretrain.data.loader import build_view_loader
+    from pretrain.data.views import ViewGroup
+
+    group = ViewGroup(count=1, size=inputs.image_size, scale=(0.08, 1.0), jitter_p=0.0, grayscale_p=0.0)
+    canvas_size = inputs.export.config.get("data", {}).get("canvas_size") or inputs.image_size
+    return build_view_loader(inputs.train_path, [group], args.batch_size, device=inputs.device,
+                             canvas_size=canvas_size, mean=inputs.mean, std=inputs.std,
+                             num_workers=inputs.num_workers, seed=args.seed, drop_last=True)
+
+
+# ============ argument parsing ============
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", metavar="RUN_DIR",
+                        help="pretraining run directory: reads RUN_DIR/backbone.pth, writes RUN_DIR/eval and RUN_DIR/tb")
+    parser.add_argument("--checkpoint", metavar="FILE",
+                        help="evaluate this backbone export instead of RUN_DIR/backbone.pth (results go to RUN_DIR "
+                             "when --run is given, else next to FILE)")
+    parser.add_argument("--train", metavar="BETON", help="training .beton (default: data.train of the export's config)")
+    parser.add_argument("--val", metavar="BETON", help="validation .beton (default: data.val of the export's config)")
+    parser.add_argument("--image-size", type=int, metavar="PIXELS",
+                        help="evaluation image side (default: data.views[0].size of the export's config)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--num-workers", type=int, metavar="N",
+                        help="data loading workers (default: data.num_workers of the export's config)")
+    parser.add_argument("--feature-batch-size", type=int, default=256, metavar="N",
+                        help="images per forward pass when extracting features (default: 256)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="neither read nor write the feature cache RUN_DIR/eval/features_step{step}.pt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear}")
+
+    knn = commands.add_parser("knn", help="weighted k-NN top-1 on frozen features (DINO protocol)",
+                              description="Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised "
+                                          "features, votes of the k nearest training images weighted by exp(sim/T).")
+    add_common_options(knn)
+    knn.add_argument("--ks", type=int, nargs="+", default=[10, 20, 100, 200], metavar="K",
+                     help="neighbour counts to report, each capped at the number of training images (default: %(default)s)")
+    knn.add_argument("--temperature", type=float, default=0.07, help="T in the vote weight exp(similarity / T) (default: %(default)s)")
+    knn.add_argument("--chunk-size", type=int, default=1024, metavar="N",
+                     help="validation images scored at once; memory grows with N x training images (default: %(default)s)")
+    knn.set_defaults(handler=run_knn)
+
+    linear = commands.add_parser("linear", help="linear probe on frozen features",
+                                 description="Linear probe (MAE head: BatchNorm without affine, then Linear) trained "
+                                             "with SGD + momentum and a cosine schedule on frozen features; reports "
+                                             "validation top-1.")
+    add_common_options(linear)
+    linear.add_argument("--augment", action="store_true",
+                        help="train on fresh RandomResizedCrop(0.08-1) + flip views every epoch through the frozen "
+                             "backbone instead of cached features (slower); validation stays un-augmented")
+    linear.add_argument("--epochs", type=int, default=100, help="training epochs of the linear classifier (default: %(default)s)")
+    linear.add_argument("--lr", type=float, default=0.1, help="peak learning rate of the cosine schedule (default: %(default)s)")
+    linear.add_argument("--batch-size", type=int, default=256, metavar="N", help="linear-probe batch size (default: %(default)s)")
+    linear.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
+    linear.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay (default: %(default)s)")
+    linear.add_argument("--seed", type=int, default=0, help="seed of the classifier init, shuffling and augmentation (default: %(default)s)")
+    linear.set_defaults(handler=run_linear)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except EvaluationInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

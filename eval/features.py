@@ -1,0 +1,214 @@
+"""Frozen features for evaluation: load a backbone export, check it, and encode a dataset once.
+
+Everything the evaluation protocols (k-NN, linear probe) read comes through here:
+
+- `load_backbone_export(path)` reads `backbone.pth` (written by pretraining: `{arch, stem, state_dict,
+  config, epoch, step}`), rebuilds the backbone with `pretrain.models.create_backbone` and refuses an
+  export whose weights do not fit that architecture, naming the mismatched keys.
+- `extract_features(encode, loader)` runs any `encode(images) -> features` callable (a frozen backbone,
+  `torch.flatten` for raw pixels, a randomly initialised network) over a loader of
+  `(images, labels, indices)` batches and returns the features in dataset order.
+
+User errors (missing or mismatched checkpoint, missing .beton) raise `EvaluationInputError`, which the
+command line prints without a traceback.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pretrain.models import create_backbone
+
+# How many mismatched state_dict keys an error message names before summarising the rest.
+_KEYS_SHOWN = 5
+
+
+class EvaluationInputError(Exception):
+    """A user-facing problem with the inputs of an evaluation (checkpoint, data paths, options).
+
+    The message says what is wrong and what to do; `python -m eval` prints it and exits with status 2.
+    """
+
+
+@dataclass
+class BackboneExport:
+    """A pretrained backbone rebuilt from `backbone.pth`, with the run config it was trained under.
+
+    backbone: the timm backbone with the exported weights loaded, in eval mode, on the CPU.
+    config:   the resolved run config (plain dicts / lists) saved with the export.
+    """
+
+    path: Path
+    arch: str
+    stem: str
+    backbone: nn.Module
+    config: dict[str, Any]
+    epoch: int
+    step: int
+
+    @property
+    def num_features(self) -> int:
+        return int(self.backbone.num_features)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Map "auto" to CUDA when available, else the CPU; pass anything else to `torch.device`."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise EvaluationInputError(f"--device {device!r} is not a torch device ({error}); "
+                                   "use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise EvaluationInputError(f"--device {device!r} asks for CUDA but torch sees no GPU; use --device cpu or auto")
+    return resolved
+
+
+def resolve_checkpoint_path(run_dir: str | Path | None, checkpoint: str | Path | None) -> Path:
+    """The export to evaluate: `checkpoint` when given, else `run_dir/backbone.pth`; it must exist."""
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if not path.is_file():
+            raise EvaluationInputError(f"no backbone export at {path}: pass the backbone.pth written by "
+                                       "`python -m pretrain ...` with --checkpoint, or use --run RUN_DIR")
+        return path
+    if run_dir is None:
+        raise EvaluationInputError("no checkpoint to evaluate: pass --run RUN_DIR (reads RUN_DIR/backbone.pth) "
+                                   "or --checkpoint FILE")
+    path = Path(run_dir) / "backbone.pth"
+    if not path.is_file():
+        raise EvaluationInputError(f"no backbone export at {path}: run `python -m pretrain --config FILE` "
+                                   "first or pass --checkpoint")
+    return path
+
+
+def _describe_keys(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_KEYS_SHOWN])
+    more = len(keys) - _KEYS_SHOWN
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def check_state_dict_fits(backbone: nn.Module, state_dict: dict[str, torch.Tensor], arch: str, stem: str,
+                          path: Path) -> None:
+    """Raise `EvaluationInputError` naming the first mismatched keys when `state_dict` does not fit `backbone`."""
+    expected = backbone.state_dict()
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    reshaped = [f"{key} {tuple(state_dict[key].shape)} vs {tuple(value.shape)}"
+                for key, value in expected.items()
+                if key in state_dict and tuple(state_dict[key].shape) != tuple(value.shape)]
+    if not (missing or unexpected or reshaped):
+        return
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing keys: {_describe_keys(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected keys: {_describe_keys(unexpected)}")
+    if reshaped:
+        problems.append(f"{len(reshaped)} keys with other shapes (export vs model): {_describe_keys(reshaped)}")
+    raise EvaluationInputError(
+        f"the weights in {path} do not fit create_backbone(arch={arch!r}, stem={stem!r}): " + "; ".join(problems)
+        + ". Export the backbone alone (not the projector, heads or a DeepSpeed checkpoint) with the arch and "
+        "stem it was trained with, or pass the matching --checkpoint.")
+
+
+def load_backbone_export(path: str | Path, image_size: int | None = None) -> BackboneExport:
+    """Load `backbone.pth`, rebuild its backbone and load the weights strictly.
+
+    image_size: input side for ViTs (their position embedding depends on it); defaults to the size of the
+      first training view in the saved config.
+    Raises `EvaluationInputError` for a file that is not an export, an unknown architecture or stem, or
+    weights that do not fit the architecture.
+    """
+    path = Path(path)
+    try:
+        export = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle, zip and "weights only" failures all mean "not an export"
+        raise EvaluationInputError(f"{path} is not a backbone export readable with torch.load(weights_only=True) "
+                                   f"({type(error).__name__}: {error}); pass the backbone.pth written by "
+                                   "`python -m pretrain`") from None
+    if not isinstance(export, dict) or "state_dict" not in export or "arch" not in export:
+        keys = sorted(export) if isinstance(export, dict) else type(export).__name__
+        raise EvaluationInputError(f"{path} is not a backbone export: expected a dict with 'arch' and 'state_dict', "
+                                   f"found {keys}; pass the backbone.pth written by `python -m pretrain`")
+    config = export.get("config") or {}
+    arch = export["arch"]
+    stem = export.get("stem") or config.get("model", {}).get("stem", "imagenet")
+    if image_size is None:
+        image_size = evaluation_image_size(config)
+    try:
+        backbone = create_backbone(arch, stem, image_size)
+    except ValueError as error:
+        raise EvaluationInputError(f"cannot rebuild the backbone of {path}: {error}") from None
+    check_state_dict_fits(backbone, export["state_dict"], arch, stem, path)
+    backbone.load_state_dict(export["state_dict"])
+    backbone.eval()
+    return BackboneExport(path=path, arch=arch, stem=stem, backbone=backbone, config=config,
+                          epoch=int(export.get("epoch", 0)), step=int(export.get("step", 0)))
+
+
+def evaluation_image_size(config: dict[str, Any]) -> int | None:
+    """The evaluation image side: the size of the first training view group (None if the config has none)."""
+    views = config.get("data", {}).get("views") or []
+    if views and isinstance(views[0], dict) and "size" in views[0]:
+        return int(views[0]["size"])
+    return None
+
+
+def resolve_beton_path(override: str | Path | None, config: dict[str, Any], split: str) -> Path:
+    """The .beton of `split` ("train" or "val"): the override when given, else config["data"][split]."""
+    option = f"--{split}"
+    if override is not None:
+        path = Path(override)
+    else:
+        configured = config.get("data", {}).get(split)
+        if not configured:
+            raise EvaluationInputError(f"the export's config has no data.{split} path: pass {option} FILE.beton")
+        path = Path(configured)
+    if not path.is_file():
+        raise EvaluationInputError(f"no .beton file at {path} (data.{split}): write it with "
+                                   f"`python -m pretrain.data ...` or pass {option} FILE.beton")
+    return path
+
+
+@torch.no_grad()
+def extract_features(encode: Callable[[torch.Tensor], torch.Tensor],
+                     loader: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode every batch of `loader` and return `(features (N, D) float32, labels (N,) long)` on the CPU.
+
+    encode: any callable from a batch of images to a (B, D) tensor (a frozen backbone in eval mode,
+      `lambda x: x.flatten(1)` for raw pixels, ...); outputs with more than two dimensions are flattened.
+      It runs under `torch.no_grad()`; put a network in eval mode yourself.
+    loader: yields `(images, labels, indices)`; rows are placed at their dataset index, so the result is
+      in dataset order whatever order the loader uses. Every index in 0..N-1 must appear exactly once.
+    device: where `images` are moved before encoding (no copy when they are already there).
+    """
+    device = resolve_device(device)
+    features_by_batch, labels_by_batch, indices_by_batch = [], [], []
+    for images, labels, indices in loader:
+        features = encode(images.to(device, non_blocking=True))
+        features_by_batch.append(features.flatten(1).float().cpu())
+        labels_by_batch.append(labels.reshape(-1).long().cpu())
+        indices_by_batch.append(indices.reshape(-1).long().cpu())
+    if not features_by_batch:
+        raise EvaluationInputError("the loader yielded no images: check that the .beton file holds data")
+    features = torch.cat(features_by_batch)
+    labels = torch.cat(labels_by_batch)
+    indices = torch.cat(indices_by_batch)
+    if not torch.equal(torch.sort(indices).values, torch.arange(len(indices))):
+        raise ValueError(f"the loader's indices are not a permutation of 0..{len(indices) - 1}; extract_features "
+                         "needs every image exactly once (no drop_last, no shuffling across ranks)")
+    ordered_features = torch.empty_like(features)
+    ordered_labels = torch.empty_like(labels)
+    ordered_features[indices] = features
+    ordered_labels[indices] = labels
+    return ordered_features, ordered_labels

@@ -1,0 +1,170 @@
+"""Linear probe: a linear classifier trained on frozen features, reported as validation top-1 accuracy.
+
+The head follows MAE (He et al. 2022, "Masked Autoencoders Are Scalable Vision Learners", Sec. A.2):
+a BatchNorm without affine parameters standardises the features (their scale differs a lot between
+methods and would otherwise need a per-method learning rate), then one linear layer. It is trained with
+SGD + momentum under a cosine learning-rate schedule, without weight decay.
+
+Two ways to feed it:
+- `train_linear_probe` on cached features (one forward of the backbone per image; fast, the default);
+- `train_linear_probe_on_views` on fresh RandomResizedCrop + flip views every epoch through the frozen
+  backbone (the augmented protocol of SimCLR / DINO; slower, usually a little more accurate).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eval.features import resolve_device
+from pretrain.data.views import ViewBatch
+
+
+class ViewEpochs(Protocol):
+    """What the augmented probe needs from a view loader: one iterable of `ViewBatch`es per epoch."""
+
+    def epoch(self, epoch: int) -> Iterable[ViewBatch]: ...
+
+
+class LinearProbe(nn.Module):
+    """BatchNorm1d(affine=False) then Linear: MAE's linear-probe head on (B, num_features) inputs."""
+
+    def __init__(self, num_features: int, num_classes: int):
+        super().__init__()
+        self.standardise = nn.BatchNorm1d(num_features, affine=False, eps=1e-6)
+        self.classifier = nn.Linear(num_features, num_classes)
+        nn.init.trunc_normal_(self.classifier.weight, std=0.01)
+        nn.init.zeros_(self.classifier.bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.standardise(features))
+
+
+def cosine_learning_rate(base_lr: float, progress: float) -> float:
+    """Cosine decay from `base_lr` at progress 0 to 0 at progress 1 (Loshchilov & Hutter 2017, no restarts)."""
+    return 0.5 * base_lr * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+
+
+@torch.no_grad()
+def linear_probe_accuracy(head: nn.Module, features: torch.Tensor, labels: torch.Tensor,
+                          batch_size: int = 1024) -> float:
+    """Top-1 accuracy (a fraction) of `head` on `features`, evaluated in eval mode on the head's device."""
+    device = next(head.parameters()).device
+    was_training = head.training
+    head.eval()
+    correct = 0
+    for start in range(0, len(features), batch_size):
+        logits = head(features[start:start + batch_size].to(device).float())
+        correct += int((logits.argmax(dim=1) == labels[start:start + batch_size].to(device)).sum())
+    head.train(was_training)
+    return correct / len(features)
+
+
+def _check_probe_inputs(train_labels: torch.Tensor, val_labels: torch.Tensor, epochs: int, lr: float,
+                        batch_size: int) -> int:
+    """Validate the common options and return the number of classes."""
+    if epochs < 1:
+        raise ValueError(f"epochs={epochs} must be at least 1")
+    if lr <= 0:
+        raise ValueError(f"lr={lr} must be positive (0.1 works for standardised features)")
+    if batch_size < 2:
+        raise ValueError(f"batch_size={batch_size} must be at least 2 (the BatchNorm needs two samples)")
+    if len(train_labels) == 0 or len(val_labels) == 0:
+        raise ValueError(f"need train and val samples; got {len(train_labels)} and {len(val_labels)}")
+    if int(train_labels.min()) < 0 or int(val_labels.min()) < 0:
+        raise ValueError("labels must be class indices >= 0; a .beton without labels cannot train a linear probe")
+    return int(max(train_labels.max(), val_labels.max())) + 1
+
+
+def train_linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor,
+                       val_features: torch.Tensor, val_labels: torch.Tensor, *,
+                       epochs: int = 100, lr: float = 0.1, batch_size: int = 256, momentum: float = 0.9,
+                       weight_decay: float = 0.0, device: str | torch.device = "auto", seed: int = 0) -> float:
+    """Train `LinearProbe` on cached features and return its validation top-1 accuracy after the last epoch.
+
+    train_features: (N, D) float, train_labels: (N,) class indices; val_features / val_labels likewise.
+    epochs, lr, batch_size, momentum, weight_decay: SGD with a per-step cosine schedule from `lr` to 0.
+      Batches are reshuffled every epoch; a final batch of one sample is dropped (BatchNorm needs two).
+    device: "auto" (CUDA when available), "cpu", "cuda", ...; features are moved there once.
+    seed: seeds the classifier's initialisation and the shuffling, so a run is reproducible.
+
+    Example:
+        >>> top1 = train_linear_probe(train_x, train_y, val_x, val_y, epochs=100)
+    """
+    num_classes = _check_probe_inputs(train_labels, val_labels, epochs, lr, batch_size)
+    device = resolve_device(device)
+    torch.manual_seed(seed)
+    head = LinearProbe(train_features.shape[1], num_classes).to(device)
+    optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    features = train_features.to(device).float()
+    labels = train_labels.to(device).long()
+    shuffle = torch.Generator().manual_seed(seed)
+    steps_per_epoch = math.ceil(len(features) / batch_size)
+    total_steps = epochs * steps_per_epoch
+    head.train()
+    for epoch in range(epochs):
+        order = torch.randperm(len(features), generator=shuffle).to(device)
+        for batch_index, start in enumerate(range(0, len(features), batch_size)):
+            batch = order[start:start + batch_size]
+            if len(batch) < 2:
+                continue
+            step = epoch * steps_per_epoch + batch_index
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_learning_rate(lr, step / total_steps)
+            loss = F.cross_entropy(head(features[batch]), labels[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return linear_probe_accuracy(head, val_features, val_labels)
+
+
+def train_linear_probe_on_views(backbone: nn.Module, view_batches_per_epoch: ViewEpochs,
+                                val_features: torch.Tensor, val_labels: torch.Tensor, *,
+                                num_classes: int, epochs: int = 100, lr: float = 0.1, momentum: float = 0.9,
+                                weight_decay: float = 0.0, device: str | torch.device = "auto",
+                                seed: int = 0) -> float:
+    """Train `LinearProbe` on augmented views through the frozen `backbone`; return val top-1 accuracy.
+
+    backbone: the frozen encoder; it stays in eval mode (BatchNorm statistics are not updated) and runs
+      under `torch.no_grad()`.
+    view_batches_per_epoch: anything with `.epoch(epoch) -> Iterable[ViewBatch]` (the pretraining view
+      loader built with one group of one view); the first view of the first group is used. Its views
+      must already be on `device`, or they are moved there.
+    val_features, val_labels: the un-augmented validation set encoded by the same backbone
+      (`extract_features`); the probe is evaluated on them after the last epoch.
+    num_classes: the number of classes (labels are 0..num_classes-1).
+    epochs, lr, momentum, weight_decay, device, seed: as in `train_linear_probe`; the cosine schedule
+      advances per step when the loader has a length, else per epoch.
+    """
+    if epochs < 1 or lr <= 0:
+        raise ValueError(f"epochs={epochs} must be >= 1 and lr={lr} positive")
+    device = resolve_device(device)
+    torch.manual_seed(seed)
+    backbone = backbone.to(device).eval()
+    head = LinearProbe(int(backbone.num_features), num_classes).to(device)
+    optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    try:
+        steps_per_epoch = len(view_batches_per_epoch)  # type: ignore[arg-type]
+    except TypeError:
+        steps_per_epoch = 1  # unknown length: the schedule moves once per epoch
+    head.train()
+    for epoch in range(epochs):
+        for batch_index, batch in enumerate(view_batches_per_epoch.epoch(epoch)):
+            progress = (epoch + min(batch_index, steps_per_epoch - 1) / steps_per_epoch) / epochs
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_learning_rate(lr, progress)
+            views = batch.views[0][:, 0].to(device, non_blocking=True)
+            labels = batch.labels.to(device, non_blocking=True).long()
+            if len(labels) < 2:
+                continue
+            with torch.no_grad():
+                features = backbone(views).flatten(1).float()
+            loss = F.cross_entropy(head(features), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return linear_probe_accuracy(head, val_features, val_labels)

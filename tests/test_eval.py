@@ -1,0 +1,250 @@
+"""Tests of the evaluation stage: weighted k-NN, linear probe, checkpoint checks and the `python -m eval` CLI."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eval.__main__ import EvaluationInputs, main
+from eval.features import EvaluationInputError, extract_features, load_backbone_export
+from eval.knn import weighted_knn
+from eval.linear import cosine_learning_rate, train_linear_probe
+from pretrain.models import create_backbone
+
+# ============ weighted k-NN ============
+
+
+def brute_force_knn(train_features, train_labels, test_features, test_labels, k, temperature):
+    """One test sample at a time, in float64 Python: the DINO vote written as plainly as possible."""
+    train = F.normalize(train_features.double(), dim=1)
+    correct = 0
+    for feature, label in zip(F.normalize(test_features.double(), dim=1), test_labels.tolist()):
+        similarities = (train @ feature).tolist()
+        nearest = sorted(range(len(similarities)), key=lambda i: -similarities[i])[:k]
+        votes: dict[int, float] = {}
+        for i in nearest:
+            votes[int(train_labels[i])] = votes.get(int(train_labels[i]), 0.0) + math.exp(similarities[i] / temperature)
+        best = max(votes.values())
+        prediction = min(c for c, v in votes.items() if v == best)
+        correct += prediction == label
+    return correct / len(test_labels)
+
+
+def test_weighted_knn_on_planted_clusters_gives_exact_accuracy():
+    generator = torch.Generator().manual_seed(0)
+    num_classes, per_class, dim = 4, 10, 16
+    centres = torch.eye(dim)[:num_classes] * 10
+    train_labels = torch.arange(num_classes).repeat_interleave(per_class)
+    train = centres[train_labels] + 0.1 * torch.randn(len(train_labels), dim, generator=generator)
+    true_test_labels = torch.arange(num_classes).repeat(5)                      # 20 test samples
+    test = centres[true_test_labels] + 0.1 * torch.randn(20, dim, generator=generator)
+    test_labels = true_test_labels.clone()
+    test_labels[:6] = (test_labels[:6] + 1) % num_classes                       # 6 of 20 deliberately wrong
+    accuracy = weighted_knn(train, train_labels, test, test_labels, ks=(5, 10, 40, 100), chunk_size=7)
+    assert accuracy == {5: 14 / 20, 10: 14 / 20, 40: 14 / 20}                   # 100 is capped at 40 samples
+
+
+def test_weighted_knn_weights_votes_by_similarity():
+    # One very close neighbour of class 1 outvotes two distant ones of class 0 only thanks to exp(sim / T).
+    train = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.6, -0.8]])
+    train_labels = torch.tensor([1, 0, 0])
+    test = torch.tensor([[1.0, 0.05]])
+    assert weighted_knn(train, train_labels, test, torch.tensor([1]), ks=(3,)) == {3: 1.0}
+    # With a large temperature the weights are nearly equal and the majority wins.
+    assert weighted_knn(train, train_labels, test, torch.tensor([1]), ks=(3,), temperature=100.0) == {3: 0.0}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 8, 37, 1000])
+def test_weighted_knn_matches_brute_force_across_chunk_boundaries(chunk_size):
+    generator = torch.Generator().manual_seed(1)
+    train = torch.randn(50, 8, generator=generator)
+    train_labels = torch.randint(0, 4, (50,), generator=generator)
+    test = torch.randn(37, 8, generator=generator)
+    test_labels = torch.randint(0, 4, (37,), generator=generator)
+    accuracy = weighted_knn(train, train_labels, test, test_labels, ks=(1, 5, 20, 60), temperature=0.07,
+                            chunk_size=chunk_size)
+    assert sorted(accuracy) == [1, 5, 20, 50]
+    for k, value in accuracy.items():
+        assert value == brute_force_knn(train, train_labels, test, test_labels, k, 0.07), k
+
+
+def test_weighted_knn_rejects_bad_arguments_with_a_fix():
+    features, labels = torch.randn(4, 3), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature=0"):
+        weighted_knn(features, labels, features, labels, temperature=0)
+    with pytest.raises(ValueError, match="same|one D"):
+        weighted_knn(features, labels, torch.randn(2, 5), labels[:2])
+    with pytest.raises(ValueError, match="without labels"):
+        weighted_knn(features, -torch.ones(4, dtype=torch.long), features, labels)
+
+
+# ============ linear probe ============
+
+
+def test_linear_probe_learns_linearly_separable_data():
+    generator = torch.Generator().manual_seed(2)
+    num_classes, dim = 5, 32
+    directions = torch.randn(num_classes, dim, generator=generator) * 3
+    def sample(count):
+        labels = torch.randint(0, num_classes, (count,), generator=generator)
+        # A large shared offset and scale: the non-affine BatchNorm must standardise them away.
+        return 50 + 20 * (directions[labels] + torch.randn(count, dim, generator=generator)), labels
+    train_x, train_y = sample(600)
+    val_x, val_y = sample(300)
+    accuracy = train_linear_probe(train_x, train_y, val_x, val_y, epochs=30, batch_size=64, device="cpu")
+    assert accuracy >= 0.95
+
+
+def test_cosine_learning_rate_runs_from_peak_to_zero():
+    assert cosine_learning_rate(0.1, 0.0) == pytest.approx(0.1)
+    assert cosine_learning_rate(0.1, 0.5) == pytest.approx(0.05)
+    assert cosine_learning_rate(0.1, 1.0) == pytest.approx(0.0)
+
+
+# ============ features ============
+
+
+def shuffled_batches(images, labels, batch_size, seed=0):
+    """An in-memory stand-in for the image loader: `(images, labels, indices)` in a shuffled order."""
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))
+    return [(images[i], labels[i], i) for i in order.split(batch_size)]
+
+
+def test_extract_features_returns_dataset_order_for_any_encoder():
+    images = torch.randn(23, 3, 4, 4)
+    labels = torch.arange(23) % 3
+    features, extracted_labels = extract_features(lambda x: x, shuffled_batches(images, labels, 5), "cpu")
+    assert torch.equal(features, images.flatten(1))
+    assert torch.equal(extracted_labels, labels)
+
+
+def test_extract_features_refuses_a_loader_that_drops_images():
+    images, labels = torch.randn(10, 3, 2, 2), torch.zeros(10, dtype=torch.long)
+    with pytest.raises(ValueError, match="permutation"):
+        extract_features(lambda x: x, shuffled_batches(images, labels, 4)[:-1], "cpu")
+
+
+# ============ checkpoint checks ============
+
+RESNET18_SMALL = create_backbone("resnet18", "small_stride2")
+
+
+def write_export(path: Path, state_dict: dict, arch: str = "resnet18", stem: str = "small_stride2",
+                 train: str | Path = "train.beton", val: str | Path = "val.beton", step: int = 120) -> Path:
+    config = {"data": {"train": str(train), "val": str(val), "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
+                       "views": [{"count": 2, "size": 32}], "num_workers": 0},
+              "model": {"arch": arch, "stem": stem}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"arch": arch, "stem": stem, "state_dict": state_dict, "config": config, "epoch": 3, "step": step},
+               path)
+    return path
+
+
+def test_missing_checkpoint_is_refused_without_traceback(tmp_path, capsys):
+    assert main(["knn", "--run", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert f"no backbone export at {tmp_path / 'backbone.pth'}" in error
+    assert "python -m pretrain" in error and "--checkpoint" in error and "Traceback" not in error
+    assert main(["linear", "--checkpoint", str(tmp_path / "nowhere.pth")]) == 2
+    assert "no backbone export at" in capsys.readouterr().err
+
+
+def test_checkpoint_with_other_stem_names_the_mismatched_keys(tmp_path):
+    imagenet_stem = create_backbone("resnet18", "imagenet").state_dict()
+    path = write_export(tmp_path / "backbone.pth", imagenet_stem)  # claims small_stride2
+    with pytest.raises(EvaluationInputError) as error:
+        load_backbone_export(path)
+    message = str(error.value)
+    assert "do not fit create_backbone(arch='resnet18', stem='small_stride2')" in message
+    assert "conv1.weight (64, 3, 7, 7) vs (64, 3, 3, 3)" in message
+
+
+def test_checkpoint_with_prefixed_keys_names_missing_and_unexpected_keys(tmp_path):
+    prefixed = {f"backbone.{key}": value for key, value in RESNET18_SMALL.state_dict().items()}
+    path = write_export(tmp_path / "backbone.pth", prefixed)
+    with pytest.raises(EvaluationInputError) as error:
+        load_backbone_export(path)
+    message = str(error.value)
+    assert "missing keys: conv1.weight, bn1.weight" in message
+    assert "unexpected keys: backbone.conv1.weight" in message
+    assert "(and " in message and "Export the backbone alone" in message
+
+
+def test_checkpoint_with_unknown_arch_is_refused(tmp_path, capsys):
+    write_export(tmp_path / "backbone.pth", RESNET18_SMALL.state_dict(), arch="resnet_unheard_of")
+    assert main(["knn", "--run", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "cannot rebuild the backbone" in error and "'resnet_unheard_of' is not a timm model name" in error
+
+
+def test_missing_beton_is_refused(tmp_path, capsys):
+    write_export(tmp_path / "backbone.pth", RESNET18_SMALL.state_dict(), train=tmp_path / "missing.beton")
+    assert main(["knn", "--run", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert f"no .beton file at {tmp_path / 'missing.beton'} (data.train)" in error and "--train" in error
+
+
+def test_file_that_is_not_an_export_is_refused(tmp_path):
+    torch.save({"model": {}}, tmp_path / "backbone.pth")
+    with pytest.raises(EvaluationInputError, match="expected a dict with 'arch' and 'state_dict'"):
+        load_backbone_export(tmp_path / "backbone.pth")
+
+
+# ============ command line on in-memory data ============
+
+
+def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(tb_dir))
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def planted_image_dataset(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images whose class is a bright quadrant: easy for any encoder, raw pixels included."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.arange(count) % 4
+    images = 0.1 * torch.randn(count, 3, 32, 32, generator=generator)
+    for quadrant in range(4):
+        row, col = divmod(quadrant, 2)
+        images[labels == quadrant, :, 16 * row:16 * row + 16, 16 * col:16 * col + 16] += 2.0
+    return images, labels
+
+
+def test_cli_linear_and_knn_on_in_memory_loader_write_json_tensorboard_and_cache(tmp_path, monkeypatch, capsys):
+    (tmp_path / "train.beton").touch()
+    (tmp_path / "val.beton").touch()
+    write_export(tmp_path / "run" / "backbone.pth", RESNET18_SMALL.state_dict(), train=tmp_path / "train.beton",
+                 val=tmp_path / "val.beton")
+    splits = {"train.beton": planted_image_dataset(96, 0), "val.beton": planted_image_dataset(40, 1)}
+    loads = []
+
+    def in_memory_loader(self, path):
+        loads.append(path.name)
+        return shuffled_batches(*splits[path.name], batch_size=32)
+
+    monkeypatch.setattr(EvaluationInputs, "image_loader", in_memory_loader)
+    run = tmp_path / "run"
+    assert main(["linear", "--run", str(run), "--epochs", "20", "--batch-size", "32", "--device", "cpu"]) == 0
+    assert main(["knn", "--run", str(run), "--ks", "5", "20", "500", "--chunk-size", "16", "--device", "cpu"]) == 0
+    assert loads == ["train.beton", "val.beton"]                       # knn reused the cached features
+    assert (run / "eval" / "features_step0000120.pt").is_file()
+
+    linear = json.loads((run / "eval" / "linear_step0000120.json").read_text())
+    assert linear["protocol"] == "linear" and linear["step"] == 120 and linear["epoch"] == 3
+    assert linear["num_train"] == 96 and linear["num_val"] == 40 and 0.0 <= linear["top1"] <= 1.0
+    knn = json.loads((run / "eval" / "knn_step0000120.json").read_text())
+    assert set(knn["top1"]) == {"5", "20", "96"}                       # 500 capped at the 96 training images
+    assert knn["top1"]["5"] > 0.9                                      # planted quadrants survive a random net
+
+    scalars = read_scalars(run / "tb")
+    assert scalars["eval/linear_top1"] == [(120, pytest.approx(linear["top1"]))]
+    assert scalars["eval/knn_top1_k20"] == [(120, pytest.approx(knn["top1"]["20"]))]
+    printed = capsys.readouterr().out
+    assert "weighted k-NN" in printed and "linear probe" in printed
