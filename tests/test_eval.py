@@ -248,3 +248,37 @@ def test_cli_linear_and_knn_on_in_memory_loader_write_json_tensorboard_and_cache
     assert scalars["eval/knn_top1_k20"] == [(120, pytest.approx(knn["top1"]["20"]))]
     printed = capsys.readouterr().out
     assert "weighted k-NN" in printed and "linear probe" in printed
+
+
+class InMemoryViewLoader:
+    """Stand-in for the pretraining view loader: one noisy copy of every image per epoch, as a ViewBatch."""
+
+    def __init__(self, images, labels, batch_size):
+        self.images, self.labels, self.batch_size = images, labels, batch_size
+
+    def __len__(self):
+        return len(self.images) // self.batch_size
+
+    def epoch(self, epoch):
+        from pretrain.data.views import ViewBatch
+
+        generator = torch.Generator().manual_seed(epoch)
+        order = torch.randperm(len(self.images), generator=generator)
+        for batch in order[:len(self) * self.batch_size].split(self.batch_size):
+            views = self.images[batch] + 0.1 * torch.randn(self.images[batch].shape, generator=generator)
+            yield ViewBatch(views=[views[:, None]], boxes=[torch.zeros(len(batch), 1, 4)],
+                            labels=self.labels[batch], indices=batch)
+
+
+def test_augmented_linear_probe_trains_through_the_frozen_backbone():
+    from eval.linear import train_linear_probe_on_views
+
+    backbone = create_backbone("resnet18", "small_stride2").eval()
+    train_images, train_labels = planted_image_dataset(64, 0)
+    val_images, val_labels = planted_image_dataset(32, 1)
+    val_features, _ = extract_features(backbone, shuffled_batches(val_images, val_labels, 16), "cpu")
+    weights_before = {name: value.clone() for name, value in backbone.state_dict().items()}
+    accuracy = train_linear_probe_on_views(backbone, InMemoryViewLoader(train_images, train_labels, 16),
+                                           val_features, val_labels, num_classes=4, epochs=5, device="cpu")
+    assert accuracy >= 0.9
+    assert all(torch.equal(value, weights_before[name]) for name, value in backbone.state_dict().items())
