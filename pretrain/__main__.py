@@ -1,0 +1,47 @@
+"""python -m pretrain --config FILE [key=value ...]
+
+Pretrain an image encoder with a self-supervised method (and optional hard view selection). Runs in one
+process as it is, or in several under `torchrun --nproc-per-node N -m pretrain ...` / `deepspeed`.
+Starting a run whose directory holds a checkpoint resumes it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pretrain.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  python -m pretrain --config configs/pretrain/simclr_digits.yaml hvs.enabled=true\n"
+               "  torchrun --nproc-per-node 2 -m pretrain --config configs/pretrain/simsiam_digits.yaml "
+               "engine.zero_stage=2\n"
+               "Every key and its default is in pretrain/config.py.")
+    parser.add_argument("--config", help="YAML file under configs/pretrain/ (omit to use the schema defaults)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.epochs=5")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        from omegaconf import OmegaConf
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.engine import train
+    try:
+        train(cfg)
+    except (CheckpointError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""NT-Xent, the normalised temperature-scaled cross-entropy of SimCLR.
+
+Chen et al., "A Simple Framework for Contrastive Learning of Visual Representations", ICML 2020, eq. 1;
+per-sample form as used for hard view selection in HVS (Ferreira et al.), appendix H.1, eq. 3:
+
+    l(i, j) = -log  exp(sim(z_i, z_j) / t) / sum_{k != i} exp(sim(z_i, z_k) / t)
+
+over the 2B embeddings of the two views of a batch (2B - 1 candidates per anchor), sim = cosine.
+The loss of sample i is the mean of its two directions, (l(a_i, b_i) + l(b_i, a_i)) / 2.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_gather
+
+
+def nt_xent_per_sample(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float,
+                       gather_negatives: bool = False) -> torch.Tensor:
+    """Per-sample NT-Xent loss.
+
+    Args:
+        z_a, z_b: (B, D) embeddings of two views of the same B images (row i of each is image i).
+        temperature: softmax temperature t > 0 (SimCLR: 0.1-0.5).
+        gather_negatives: when a process group is initialised, use the embeddings of every process as
+            negatives (gradients flow back through the gather); otherwise only the local batch.
+
+    Returns:
+        (B,) loss of every local sample.
+
+    Example:
+        >>> loss = nt_xent_per_sample(proj(view1), proj(view2), temperature=0.2).mean()
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be positive (SimCLR uses 0.1-0.5)")
+    if z_a.shape != z_b.shape or z_a.dim() != 2:
+        raise ValueError(f"z_a and z_b must both be (B, D); got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
+    z_a, z_b = F.normalize(z_a, dim=1), F.normalize(z_b, dim=1)
+    batch = z_a.shape[0]
+    offset = 0
+    all_a, all_b = z_a, z_b
+    if gather_negatives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        all_a = torch.cat(all_gather(z_a), dim=0)
+        all_b = torch.cat(all_gather(z_b), dim=0)
+        offset = dist.get_rank() * batch
+    candidates = torch.cat([all_a, all_b], dim=0)             # (2 W B, D)
+    total = all_a.shape[0]
+    own = torch.arange(batch, device=z_a.device) + offset     # index of each local anchor in all_a / all_b
+
+    def one_direction(anchors: torch.Tensor, self_index: torch.Tensor, positive_index: torch.Tensor):
+        logits = anchors @ candidates.T / temperature
+        logits = logits.scatter(1, self_index[:, None], float("-inf"))   # an anchor is not its own candidate
+        return F.cross_entropy(logits, positive_index, reduction="none")
+
+    return 0.5 * (one_direction(z_a, own, own + total) + one_direction(z_b, own + total, own))

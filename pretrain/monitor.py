@@ -1,0 +1,61 @@
+"""What a run reports: TensorBoard scalars and images under RUN_DIR/tb, one JSON line per logged step in
+RUN_DIR/metrics.jsonl, and a progress line on the console. Only rank 0 writes."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+
+class TrainingMonitor:
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.started = time.time()
+        self.first_step: int | None = None
+        if enabled:
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+            self.jsonl = open(run_dir / "metrics.jsonl", "a")
+
+    def log(self, step: int, epoch: int, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for tag, value in scalars.items():
+            self.tb.add_scalar(tag, value, step)
+        self.jsonl.write(json.dumps({"step": step, "epoch": epoch, **scalars}) + "\n")
+        self.jsonl.flush()
+        self.tb.flush()
+        self._progress(step, epoch, scalars)
+
+    def log_images(self, step: int, tag: str, images: torch.Tensor) -> None:
+        """images: (rows, cols, C, H, W) in [0, 1], shown as one grid (one row per sample)."""
+        if not self.enabled:
+            return
+        from torchvision.utils import make_grid
+        rows, cols = images.shape[:2]
+        self.tb.add_image(tag, make_grid(images.flatten(0, 1).float().cpu(), nrow=cols, padding=1), step)
+
+    def _progress(self, step: int, epoch: int, scalars: dict[str, float]) -> None:
+        if self.first_step is None:
+            self.first_step, self.started = step, time.time()
+        done = step - self.first_step
+        eta = ""
+        if done > 0:
+            seconds = (time.time() - self.started) / done * (self.total_steps - step)
+            eta = f" eta {int(seconds // 60)}m{int(seconds % 60):02d}s"
+        parts = [f"epoch {epoch}", f"step {step}/{self.total_steps}",
+                 f"loss {scalars.get('train/loss', float('nan')):.4f}", f"lr {scalars.get('train/lr', 0):.4g}",
+                 f"{scalars.get('perf/images_per_s', 0):.0f} img/s",
+                 f"data wait {100 * scalars.get('perf/data_wait_frac', 0):.0f}%"]
+        if "hvs/selected_loss" in scalars:
+            parts.append(f"hvs loss {scalars['hvs/selected_loss']:.3f}/{scalars['hvs/mean_pair_loss']:.3f}")
+        print(" | ".join(parts) + eta, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            self.jsonl.close()

@@ -1,0 +1,80 @@
+"""Optimizers (SGD, LARS, AdamW) and the precomputed schedules of learning rate and weight decay.
+
+Schedules are arrays indexed by optimizer step (as in DINO's main_dino.py): any step's value is a lookup,
+so resuming at step s continues the schedule exactly, and the schedule is testable on its own.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+
+class LARS(torch.optim.Optimizer):
+    """Layer-wise adaptive rate scaling (You et al., 2017), as used by SimCLR: SGD with momentum where each
+    parameter's update is scaled by trust * ||w|| / ||g + wd * w||. Groups flagged `no_decay` (biases,
+    normalisation) get neither weight decay nor the layer-wise scaling.
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 0.001):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = p.grad
+                if not group.get("no_decay", False):
+                    update = update.add(p, alpha=group["weight_decay"])
+                    w_norm, u_norm = torch.norm(p), torch.norm(update)
+                    trust = torch.where((w_norm > 0) & (u_norm > 0),
+                                        group["trust_coefficient"] * w_norm / u_norm, torch.ones_like(w_norm))
+                    update = update.mul(trust)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.clone(update).detach()
+                else:
+                    state["momentum_buffer"].mul_(group["momentum"]).add_(update)
+                p.add_(state["momentum_buffer"], alpha=-group["lr"])
+
+
+def scaled_lr(cfg: DictConfig, global_batch: int) -> float:
+    """The peak learning rate: `optim.lr` is given for a global batch of 256."""
+    factor = {"linear": global_batch / 256, "sqrt": math.sqrt(global_batch / 256), "none": 1.0}
+    return cfg.optim.lr * factor[cfg.optim.lr_scaling]
+
+
+def build_optimizer(cfg: DictConfig, param_groups: list[dict], peak_lr: float) -> torch.optim.Optimizer:
+    """The optimizer over the method's groups; `no_decay` groups get no weight decay."""
+    o = cfg.optim
+    for group in param_groups:
+        group["weight_decay"] = 0.0 if group.get("no_decay") else o.weight_decay
+    if o.name == "sgd":
+        return torch.optim.SGD(param_groups, lr=peak_lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if o.name == "lars":
+        return LARS(param_groups, lr=peak_lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(param_groups, lr=peak_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+
+
+def cosine_schedule(start: float, end: float, total_steps: int, warmup_steps: int = 0,
+                    warmup_start: float = 0.0) -> np.ndarray:
+    """Linear warm-up from `warmup_start` to `start`, then half-cosine from `start` to `end`."""
+    warmup_steps = min(warmup_steps, total_steps)
+    warmup = np.linspace(warmup_start, start, warmup_steps, endpoint=False)
+    steps = np.arange(total_steps - warmup_steps)
+    cosine = end + 0.5 * (start - end) * (1 + np.cos(np.pi * steps / max(len(steps), 1)))
+    return np.concatenate([warmup, cosine])
+
+
+def set_schedule_values(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, base_lr: float) -> None:
+    """Apply one step's values; groups flagged `fixed_lr` stay at the base lr (SimSiam's predictor)."""
+    for group in optimizer.param_groups:
+        group["lr"] = base_lr if group.get("fixed_lr") else lr
+        if not group.get("no_decay"):
+            group["weight_decay"] = weight_decay
