@@ -72,8 +72,11 @@ class EvaluationInputs:
         """`{train_features, train_labels, val_features, val_labels}` from the cache or a fresh extraction."""
         key = self.cache_key()
         if self.use_cache and self.cache_path.is_file():
-            cached = torch.load(self.cache_path, map_location="cpu", weights_only=True)
-            if cached.get("key") == key:
+            try:
+                cached = torch.load(self.cache_path, map_location="cpu", weights_only=True)
+            except Exception:  # a half-written or foreign file: recompute and overwrite it
+                cached = {}
+            if isinstance(cached, dict) and cached.get("key") == key:
                 return cached["features"]
         backbone = self.export.backbone.to(self.device).eval()
         train_features, train_labels = extract_features(backbone, self.image_loader(self.train_path), self.device)
@@ -187,26 +190,48 @@ def build_augmented_views(inputs: EvaluationInputs, args: argparse.Namespace):
 # ============ argument parsing ============
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
+    """The options every protocol shares: what to evaluate, on which data, where."""
     parser.add_argument("--run", metavar="RUN_DIR",
-                        help="pretraining run directory: reads RUN_DIR/backbone.pth, writes RUN_DIR/eval and RUN_DIR/tb")
+                        help="pretraining run directory: reads RUN_DIR/backbone.pth, writes RUN_DIR/eval and "
+                             "RUN_DIR/tb")
     parser.add_argument("--checkpoint", metavar="FILE",
                         help="evaluate this backbone export instead of RUN_DIR/backbone.pth (results go to RUN_DIR "
                              "when --run is given, else next to FILE)")
-    parser.add_argument("--train", metavar="BETON", help="training .beton (default: data.train of the export's config)")
-    parser.add_argument("--val", metavar="BETON", help="validation .beton (default: data.val of the export's config)")
-    parser.add_argument("--image-size", type=int, metavar="PIXELS",
+    parser.add_argument("--train", metavar="BETON",
+                        help="training .beton (default: data.train of the export's config)")
+    parser.add_argument("--val", metavar="BETON",
+                        help="validation .beton (default: data.val of the export's config)")
+    parser.add_argument("--image-size", type=positive_int, metavar="PIXELS",
                         help="evaluation image side (default: data.views[0].size of the export's config)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available), cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--num-workers", type=int, metavar="N",
                         help="data loading workers (default: data.num_workers of the export's config)")
-    parser.add_argument("--feature-batch-size", type=int, default=256, metavar="N",
-                        help="images per forward pass when extracting features (default: 256)")
+    parser.add_argument("--feature-batch-size", type=positive_int, default=256, metavar="N",
+                        help="images per forward pass when extracting features (default: %(default)s)")
     parser.add_argument("--no-cache", action="store_true",
                         help="neither read nor write the feature cache RUN_DIR/eval/features_step{step}.pt")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`python -m eval {knn,linear} [options]`."""
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear}")
 
@@ -214,11 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised "
                                           "features, votes of the k nearest training images weighted by exp(sim/T).")
     add_common_options(knn)
-    knn.add_argument("--ks", type=int, nargs="+", default=[10, 20, 100, 200], metavar="K",
-                     help="neighbour counts to report, each capped at the number of training images (default: %(default)s)")
-    knn.add_argument("--temperature", type=float, default=0.07, help="T in the vote weight exp(similarity / T) (default: %(default)s)")
-    knn.add_argument("--chunk-size", type=int, default=1024, metavar="N",
-                     help="validation images scored at once; memory grows with N x training images (default: %(default)s)")
+    knn.add_argument("--ks", type=positive_int, nargs="+", default=[10, 20, 100, 200], metavar="K",
+                     help="neighbour counts to report, each capped at the number of training images "
+                          "(default: %(default)s)")
+    knn.add_argument("--temperature", type=positive_float, default=0.07,
+                     help="T in the vote weight exp(similarity / T) (default: %(default)s)")
+    knn.add_argument("--chunk-size", type=positive_int, default=1024, metavar="N",
+                     help="validation images scored at once; memory grows with N x training images "
+                          "(default: %(default)s)")
     knn.set_defaults(handler=run_knn)
 
     linear = commands.add_parser("linear", help="linear probe on frozen features",
@@ -229,12 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     linear.add_argument("--augment", action="store_true",
                         help="train on fresh RandomResizedCrop(0.08-1) + flip views every epoch through the frozen "
                              "backbone instead of cached features (slower); validation stays un-augmented")
-    linear.add_argument("--epochs", type=int, default=100, help="training epochs of the linear classifier (default: %(default)s)")
-    linear.add_argument("--lr", type=float, default=0.1, help="peak learning rate of the cosine schedule (default: %(default)s)")
-    linear.add_argument("--batch-size", type=int, default=256, metavar="N", help="linear-probe batch size (default: %(default)s)")
+    linear.add_argument("--epochs", type=positive_int, default=100,
+                        help="training epochs of the linear classifier (default: %(default)s)")
+    linear.add_argument("--lr", type=positive_float, default=0.1,
+                        help="peak learning rate of the cosine schedule (default: %(default)s)")
+    linear.add_argument("--batch-size", type=positive_int, default=256, metavar="N",
+                        help="linear-probe batch size (default: %(default)s)")
     linear.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
     linear.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay (default: %(default)s)")
-    linear.add_argument("--seed", type=int, default=0, help="seed of the classifier init, shuffling and augmentation (default: %(default)s)")
+    linear.add_argument("--seed", type=int, default=0,
+                        help="seed of the classifier init, shuffling and augmentation (default: %(default)s)")
     linear.set_defaults(handler=run_linear)
     return parser
 
