@@ -1,0 +1,62 @@
+"""Command line for writing datasets: `python -m pretrain.data {write,write-digits} --help`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.data",
+                                     description="Write image datasets to FFCV .beton files for pretraining.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    folder = commands.add_parser("write", help="Write an image folder (one sub-folder per class) to a .beton.",
+                                 description="Write an image folder laid out as FOLDER/<class>/<image>.{jpg,png} "
+                                             "to a .beton; unreadable images are skipped and listed in "
+                                             "OUT.skipped.txt, class names go to OUT.classes.json.")
+    folder.add_argument("--image-folder", required=True, help="Folder with one sub-folder of images per class.")
+    folder.add_argument("--out", required=True, help="Output .beton path (e.g. data/train.beton).")
+    folder.add_argument("--max-side", type=int, default=None,
+                        help="Shrink images whose longer side exceeds this many pixels (aspect kept). Default: keep.")
+    folder.add_argument("--write-mode", choices=("jpg", "raw"), default="jpg",
+                        help="Store images as JPEG (small, decoded on load) or raw uint8 pixels. Default: jpg.")
+    folder.add_argument("--jpeg-quality", type=int, default=90, help="JPEG quality for --write-mode jpg. Default: 90.")
+    folder.add_argument("--workers", type=int, default=2, help="Processes/threads used to read and write. Default: 2.")
+
+    digits = commands.add_parser("write-digits", help="Write the embedded digits set to OUT_DIR/{train,val}.beton.",
+                                 description="Write scikit-learn's 1797 digits, upsampled to 32x32 RGB, split 80/20 "
+                                             "stratified (seed 0), to OUT_DIR/train.beton and OUT_DIR/val.beton.")
+    digits.add_argument("--out-dir", required=True, help="Output folder (e.g. data/digits).")
+    digits.add_argument("--force", action="store_true", help="Rewrite even when both .beton files already exist.")
+    digits.add_argument("--write-mode", choices=("jpg", "raw"), default="jpg",
+                        help="Store images as JPEG or raw uint8 pixels. Default: jpg.")
+    digits.add_argument("--workers", type=int, default=2, help="Processes used to write. Default: 2.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "write":
+        from pretrain.data.writer import write_image_folder
+
+        try:
+            report = write_image_folder(args.image_folder, args.out, max_side=args.max_side,
+                                        write_mode=args.write_mode, jpeg_quality=args.jpeg_quality,
+                                        workers=args.workers)
+        except (FileNotFoundError, NotADirectoryError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        print(report.summary())
+    else:
+        from pretrain.data.digits import write_digits
+
+        for report in write_digits(args.out_dir, force=args.force, write_mode=args.write_mode, workers=args.workers):
+            if report.written < 0:
+                print(f"{report.out_path}: exists, kept (pass --force to rewrite)")
+            else:
+                print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
