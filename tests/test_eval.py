@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -282,3 +284,55 @@ def test_augmented_linear_probe_trains_through_the_frozen_backbone():
                                            val_features, val_labels, num_classes=4, epochs=5, device="cpu")
     assert accuracy >= 0.9
     assert all(torch.equal(value, weights_before[name]) for name, value in backbone.state_dict().items())
+
+
+# ============ end to end on the digits .beton ============
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory) -> Path:
+    """The digits written once per test module with `python -m pretrain.data write-digits`."""
+    pytest.importorskip("pretrain.data.loader", reason="the image loader (pretrain/data/loader.py) is not there yet")
+    out_dir = tmp_path_factory.mktemp("digits")
+    written = run_module("pretrain.data", "write-digits", "--out-dir", str(out_dir))
+    assert written.returncode == 0, written.stderr
+    return out_dir
+
+
+def test_raw_pixel_knn_on_digits_through_the_image_loader(digits_dir):
+    from pretrain.data.loader import build_image_loader
+
+    def features(split):
+        loader = build_image_loader(digits_dir / f"{split}.beton", 32, 256, device="cpu", mean=[0.5] * 3,
+                                    std=[0.25] * 3, num_workers=1)
+        return extract_features(lambda images: images.flatten(1), loader, "cpu")
+
+    train_features, train_labels = features("train")
+    val_features, val_labels = features("val")
+    assert (len(train_labels), len(val_labels)) == (1437, 360)
+    accuracy = weighted_knn(train_features, train_labels, val_features, val_labels, ks=(20,))
+    assert accuracy[20] > 0.9                                   # about 97% (ENVIRONMENT.md)
+
+
+def test_cli_knn_end_to_end_on_digits(digits_dir, tmp_path):
+    run = tmp_path / "run"
+    write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=digits_dir / "train.beton",
+                 val=digits_dir / "val.beton", step=40)
+    finished = run_module("eval", "knn", "--run", str(run), "--device", "cpu", "--num-workers", "1")
+    assert finished.returncode == 0, finished.stderr
+    assert "weighted k-NN" in finished.stdout and "top-1" in finished.stdout
+
+    result = json.loads((run / "eval" / "knn_step0000040.json").read_text())
+    assert result["protocol"] == "knn" and result["step"] == 40 and result["epoch"] == 3
+    assert result["num_train"] == 1437 and result["num_val"] == 360 and result["seconds"] > 0
+    assert set(result["top1"]) == {"10", "20", "100", "200"}
+    assert result["top1"]["20"] > 0.5                           # a random ResNet already separates digits
+    scalars = read_scalars(run / "tb")
+    for k in (10, 20, 100, 200):
+        assert scalars[f"eval/knn_top1_k{k}"] == [(40, pytest.approx(result["top1"][str(k)]))]
