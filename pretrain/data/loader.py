@@ -1,0 +1,214 @@
+"""N-view training loader and evaluation image loader.
+
+`build_view_loader` returns a `ViewLoader` that yields `ViewBatch`es: every image decoded once, all its views
+drawn from that one decode. Two backends share the ordering rules:
+
+- "ffcv" (default): a `.beton` written by `python -m pretrain.data`; decode to a canvas in FFCV's numba
+  pipeline, views drawn batched in torch on the training device (`pretrain.data.augment`).
+- "torchvision": an image folder (one sub-folder per class), PIL decode + per-view torchvision transforms in
+  DataLoader workers, the classic CPU pipeline (for comparison and for users without FFCV).
+
+Order of an epoch (both backends): a permutation of all images from a torch.Generator seeded with
+(seed, epoch), identical on every rank; rank r takes perm[r::world_size] truncated to the same length on
+every rank (disjoint shards), then consecutive batches. `epoch(e, start_batch=k)` continues that order at
+batch k without decoding the first k batches. Augmentation randomness is seeded from
+(seed, rank, epoch, start_batch), so a rerun gives the same views.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from pretrain.data.augment import augment_views, canvas_to_device, normalise
+from pretrain.data.views import ViewBatch, ViewGroup
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+BACKENDS = ("ffcv", "torchvision")
+
+
+def seeded_generator(*keys: int) -> torch.Generator:
+    """A CPU torch.Generator seeded from a tuple of integers (mixed with numpy's SeedSequence)."""
+    state = np.random.SeedSequence([int(k) for k in keys]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state) >> 1)
+
+
+def rank_epoch_order(num_images: int, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:
+    """This rank's ordered dataset indices for `epoch` (see the module docstring), as int64."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"Need 0 <= rank < world_size, got rank={rank}, world_size={world_size}.")
+    permutation = torch.randperm(num_images, generator=seeded_generator(seed, epoch)).numpy()
+    per_rank = num_images // world_size
+    return permutation[rank::world_size][:per_rank].astype(np.int64)
+
+
+class ViewLoader:
+    """Yields `ViewBatch`es for one rank, epoch by epoch. Build it with `build_view_loader`.
+
+    num_images: images in the whole dataset; len(loader): batches per epoch for this rank.
+    """
+
+    def __init__(self, num_images: int, groups: list[ViewGroup], batch_size: int, *, device: torch.device,
+                 mean: Sequence[float], std: Sequence[float], seed: int, rank: int, world_size: int,
+                 drop_last: bool):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        if not groups:
+            raise ValueError("groups is empty; pass at least one ViewGroup, e.g. [ViewGroup(count=2, size=32)].")
+        self.num_images = num_images
+        self.groups = list(groups)
+        self.batch_size = batch_size
+        self.device = device
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.drop_last = drop_last
+        self.samples_per_rank = num_images // world_size
+        if self.samples_per_rank == 0:
+            raise ValueError(f"The dataset has {num_images} images, fewer than world_size={world_size}.")
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.samples_per_rank // self.batch_size
+        return -(-self.samples_per_rank // self.batch_size)
+
+    def epoch_indices(self, epoch: int, start_batch: int = 0) -> np.ndarray:
+        """The ordered dataset indices this rank reads in `epoch` from batch `start_batch` on."""
+        if not 0 <= start_batch <= len(self):
+            raise ValueError(f"start_batch must lie in [0, {len(self)}] (batches per epoch), got {start_batch}.")
+        order = rank_epoch_order(self.num_images, self.seed, epoch, self.rank, self.world_size)
+        return order[start_batch * self.batch_size: len(self) * self.batch_size]
+
+    def augmentation_generator(self, epoch: int, start_batch: int) -> torch.Generator:
+        return seeded_generator(self.seed, self.rank, epoch, start_batch)
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[ViewBatch]:
+        raise NotImplementedError
+
+
+class FFCVViewLoader(ViewLoader):
+    """FFCV backend: one canvas decode per image, views drawn in torch on the device."""
+
+    def __init__(self, path: str | Path, groups: list[ViewGroup], batch_size: int, *, canvas_size: int,
+                 num_workers: int, **common):
+        from pretrain.data.ffcv_loader import build_ffcv_loader, num_images_in
+
+        super().__init__(num_images_in(path), groups, batch_size, **common)
+        self.path = Path(path)
+        self.canvas_size = canvas_size
+        self.ffcv_loader = build_ffcv_loader(path, canvas_size, batch_size, num_workers, self.drop_last)
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[ViewBatch]:
+        from pretrain.data.ffcv_loader import ffcv_batches
+
+        generator = self.augmentation_generator(epoch, start_batch)
+        for canvas, labels, indices, heights, widths in ffcv_batches(self.ffcv_loader,
+                                                                     self.epoch_indices(epoch, start_batch)):
+            canvas = canvas_to_device(canvas, self.device)
+            views, boxes = augment_views(canvas, torch.stack([heights, widths], dim=1), self.groups,
+                                         self.mean, self.std, generator)
+            yield ViewBatch(views=views, boxes=boxes, labels=labels.to(self.device),
+                            indices=indices.to(self.device))
+
+
+class TorchvisionViewLoader(ViewLoader):
+    """torchvision backend: PIL decode once per image, per-view transforms in DataLoader workers."""
+
+    def __init__(self, path: str | Path, groups: list[ViewGroup], batch_size: int, *, num_workers: int, **common):
+        from pretrain.data.torchvision_loader import ImageFolderViews
+
+        self.dataset = ImageFolderViews(path, groups, common["mean"], common["std"])
+        super().__init__(len(self.dataset), groups, batch_size, **common)
+        self.num_workers = num_workers
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[ViewBatch]:
+        from torch.utils.data import DataLoader
+
+        ordered = self.epoch_indices(epoch, start_batch).tolist()
+        if not ordered:
+            return
+        # The workers' random streams derive from this generator, so reruns draw the same views.
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=ordered, drop_last=self.drop_last,
+                            num_workers=self.num_workers, generator=self.augmentation_generator(epoch, start_batch),
+                            pin_memory=self.device.type == "cuda",
+                            persistent_workers=False)
+        non_blocking = self.device.type == "cuda"
+        for views, boxes, labels, indices in loader:
+            yield ViewBatch(views=[v.to(self.device, non_blocking=non_blocking) for v in views],
+                            boxes=[b.to(self.device, non_blocking=non_blocking) for b in boxes],
+                            labels=labels.to(self.device), indices=indices.to(self.device))
+
+
+def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int, *, backend: str = "ffcv",
+                      device: torch.device | str = "cpu", canvas_size: int = 32,
+                      mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                      num_workers: int = 2, seed: int = 0, rank: int = 0, world_size: int = 1,
+                      drop_last: bool = True) -> ViewLoader:
+    """Build the N-view loader for one rank.
+
+    path:        a .beton from `python -m pretrain.data` (backend "ffcv") or an image folder with one
+                 sub-folder per class (backend "torchvision").
+    groups:      the view recipe: every image yields, per group, `count` views of `size` px.
+    batch_size:  images per batch on this rank.
+    canvas_size: side of the square each image is stretched to once before cropping (ffcv backend); at
+                 least the source resolution keeps full detail for small crops.
+    mean, std:   normalisation of the views.
+    seed, rank, world_size: ordering and sharding (see module docstring).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    common = dict(device=torch.device(device), mean=mean, std=std, seed=seed, rank=rank, world_size=world_size,
+                  drop_last=drop_last)
+    if backend == "ffcv":
+        if Path(path).is_dir():
+            raise ValueError(f"{path} is a folder; the ffcv backend reads a .beton. Write one with "
+                             f"`python -m pretrain.data write --image-folder {path} --out OUT.beton`, or pass "
+                             f"backend='torchvision'.")
+        return FFCVViewLoader(path, groups, batch_size, canvas_size=canvas_size, num_workers=num_workers, **common)
+    if not Path(path).is_dir():
+        raise ValueError(f"{path} is not a folder; the torchvision backend reads an image folder with one "
+                         f"sub-folder per class (the .beton format needs backend='ffcv').")
+    return TorchvisionViewLoader(path, groups, batch_size, num_workers=num_workers, **common)
+
+
+class ImageLoader:
+    """Whole images, resized, normalised, in dataset order, every image once (no drop_last).
+
+    Iterating yields (images float (B, 3, S, S), labels (B,), indices (B,)) on the device.
+    """
+
+    def __init__(self, path: str | Path, image_size: int, batch_size: int, *, device: torch.device,
+                 mean: Sequence[float], std: Sequence[float], num_workers: int, canvas_size: int):
+        from pretrain.data.ffcv_loader import build_ffcv_loader, num_images_in
+
+        self.num_images = num_images_in(path)
+        self.image_size, self.batch_size, self.device = image_size, batch_size, device
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.ffcv_loader = build_ffcv_loader(path, canvas_size, batch_size, num_workers, drop_last=False)
+
+    def __len__(self) -> int:
+        return -(-self.num_images // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        from pretrain.data.ffcv_loader import ffcv_batches
+
+        for canvas, labels, indices, _, _ in ffcv_batches(self.ffcv_loader, np.arange(self.num_images)):
+            images = canvas_to_device(canvas, self.device).permute(0, 3, 1, 2).float().div_(255)
+            if images.shape[-1] != self.image_size:
+                images = torch.nn.functional.interpolate(images, size=(self.image_size, self.image_size),
+                                                         mode="bilinear", antialias=True, align_corners=False)
+            yield (normalise(images.contiguous(), self.mean, self.std), labels.to(self.device),
+                   indices.to(self.device))
+
+
+def build_image_loader(path: str | Path, image_size: int, batch_size: int, *, device: torch.device | str = "cpu",
+                       mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                       num_workers: int = 2, canvas_size: int | None = None) -> ImageLoader:
+    """Evaluation loader (k-NN, linear probe) over ALL images of a .beton in dataset order, no augmentation:
+    each whole image stretched to image_size x image_size (via a canvas_size canvas, default image_size)."""
+    if image_size < 1 or batch_size < 1:
+        raise ValueError(f"image_size and batch_size must be >= 1, got {image_size} and {batch_size}.")
+    return ImageLoader(path, image_size, batch_size, device=torch.device(device), mean=mean, std=std,
+                       num_workers=num_workers, canvas_size=canvas_size or image_size)

@@ -1,0 +1,69 @@
+"""torchvision path: the classic CPU pipeline, the peer the FFCV loader is measured against.
+
+Each sample is decoded once with PIL; then every view gets its own RandomResizedCrop (box recorded from
+`RandomResizedCrop.get_params`), flip, colour jitter (probability jitter_p, torchvision's random order),
+grayscale, gaussian blur, solarisation, ToTensor and normalisation, in DataLoader workers. The output has the
+same shapes and box semantics as the FFCV path: per group views (n, 3, size, size) and boxes (n, 4) as
+fractions of the source width / height.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from PIL import Image
+from torchvision import transforms
+from torchvision.transforms import functional as TF
+
+from pretrain.data.augment import blur_kernel_size
+from pretrain.data.views import ViewGroup
+from pretrain.data.writer import list_image_folder
+
+
+def appearance_transform(group: ViewGroup, mean: Sequence[float], std: Sequence[float]) -> transforms.Compose:
+    """Everything after the crop for one group: flip, jitter, grayscale, blur, solarise, tensor, normalise."""
+    return transforms.Compose([
+        transforms.RandomHorizontalFlip(group.flip_p),
+        transforms.RandomApply([transforms.ColorJitter(group.brightness, group.contrast, group.saturation,
+                                                       group.hue)], p=group.jitter_p),
+        transforms.RandomGrayscale(group.grayscale_p),
+        transforms.RandomApply([transforms.GaussianBlur(blur_kernel_size(group.size), group.blur_sigma)],
+                               p=group.blur_p),
+        transforms.RandomSolarize(128, p=group.solarize_p),
+        transforms.ToTensor(),
+        transforms.Normalize(mean, std),
+    ])
+
+
+class ImageFolderViews(torch.utils.data.Dataset):
+    """Image folder (one sub-folder per class) -> (views per group, boxes per group, label, index)."""
+
+    def __init__(self, root: str | Path, groups: list[ViewGroup], mean: Sequence[float], std: Sequence[float]):
+        self.paths, self.labels, self.class_names = list_image_folder(root)
+        self.groups = list(groups)
+        self.appearance = [appearance_transform(group, mean, std) for group in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        try:
+            with Image.open(self.paths[index]) as file:
+                image = file.convert("RGB")                     # the one decode of this sample
+        except OSError as error:
+            raise OSError(f"Cannot read {self.paths[index]} ({error}); `python -m pretrain.data write` lists every "
+                          f"unreadable image of a folder in OUT.skipped.txt: remove them from the folder.") from error
+        width, height = image.size
+        group_views, group_boxes = [], []
+        for group, appearance in zip(self.groups, self.appearance):
+            views, boxes = [], []
+            for _ in range(group.count):
+                top, left, crop_h, crop_w = transforms.RandomResizedCrop.get_params(image, list(group.scale),
+                                                                                    list(group.ratio))
+                crop = TF.resized_crop(image, top, left, crop_h, crop_w, [group.size, group.size], antialias=True)
+                views.append(appearance(crop))
+                boxes.append((left / width, top / height, (left + crop_w) / width, (top + crop_h) / height))
+            group_views.append(torch.stack(views))
+            group_boxes.append(torch.tensor(boxes, dtype=torch.float32))
+        return group_views, group_boxes, self.labels[index], index

@@ -1,0 +1,194 @@
+"""The N-view loaders (FFCV and torchvision), batched augmentation, evaluation loader and pair_iou."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("ffcv")
+
+from pretrain.data.augment import augment_views, sample_crop_boxes
+from pretrain.data.loader import build_image_loader, build_view_loader
+from pretrain.data.views import ViewGroup, pair_iou
+from pretrain.data.writer import list_image_folder, write_image_folder
+
+GROUPS = [ViewGroup(count=2, size=24, scale=(0.3, 0.9), ratio=(0.5, 2.0)),
+          ViewGroup(count=3, size=12, scale=(0.1, 0.4), blur_p=0.5, solarize_p=0.5)]
+IMAGE_SHAPES = [(24, 48), (48, 24), (32, 32), (20, 60)]          # (height, width): aspect matters for boxes
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """44 JPEGs of 4 shapes in 3 classes, as an image folder and the .beton written from it."""
+    root = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    for i in range(44):
+        height, width = IMAGE_SHAPES[i % 4]
+        folder = root / "images" / f"class{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        image = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(image).save(folder / f"{i:03d}.jpg", quality=95)
+    beton = root / "train.beton"
+    write_image_folder(root / "images", beton, workers=1)
+    paths, labels, _ = list_image_folder(root / "images")
+    hw = np.array([Image.open(p).size[::-1] for p in paths])
+    return {"folder": root / "images", "beton": beton, "labels": np.array(labels), "hw": hw}
+
+
+@pytest.fixture(scope="module")
+def ffcv_loader(dataset):
+    return build_view_loader(dataset["beton"], GROUPS, 8, canvas_size=32, num_workers=1, seed=3)
+
+
+def check_batch(batch, dataset, batch_size):
+    assert [tuple(v.shape) for v in batch.views] == [(batch_size, g.count, 3, g.size, g.size) for g in GROUPS]
+    assert [tuple(b.shape) for b in batch.boxes] == [(batch_size, g.count, 4) for g in GROUPS]
+    assert all(torch.isfinite(v).all() for v in batch.views)
+    indices = batch.indices.numpy()
+    assert (batch.labels.numpy() == dataset["labels"][indices]).all()
+    hw = torch.tensor(dataset["hw"][indices], dtype=torch.float64)
+    for group, boxes in zip(GROUPS, batch.boxes):
+        boxes = boxes.double()
+        x0, y0, x1, y1 = boxes.unbind(-1)
+        assert (x0 >= 0).all() and (y0 >= 0).all() and (x1 <= 1 + 1e-6).all() and (y1 <= 1 + 1e-6).all()
+        assert (x1 > x0).all() and (y1 > y0).all()
+        area = (x1 - x0) * (y1 - y0)
+        aspect = (x1 - x0) * hw[:, None, 1] / ((y1 - y0) * hw[:, None, 0])     # in source pixels
+        # the torchvision-style fallback (after 10 misses) may leave the ranges; it is rare here
+        in_range = ((area >= group.scale[0] - 0.02) & (area <= group.scale[1] + 0.02)
+                    & (aspect >= group.ratio[0] * 0.9) & (aspect <= group.ratio[1] * 1.1))
+        assert in_range.float().mean() > 0.9
+
+
+def test_ffcv_loader_yields_n_views_with_valid_boxes_and_matching_labels(ffcv_loader, dataset):
+    assert ffcv_loader.num_images == 44 and len(ffcv_loader) == 5
+    batches = list(ffcv_loader.epoch(0))
+    assert len(batches) == 5
+    for batch in batches:
+        check_batch(batch, dataset, 8)
+    seen = torch.cat([b.indices for b in batches])
+    assert seen.unique().numel() == 40                      # a permutation, last partial batch dropped
+
+
+def test_start_batch_continues_the_epoch_and_reruns_reproduce(ffcv_loader):
+    full = [b.indices for b in ffcv_loader.epoch(2)]
+    tail = [b.indices for b in ffcv_loader.epoch(2, start_batch=3)]
+    assert len(tail) == 2 and all(torch.equal(a, b) for a, b in zip(full[3:], tail))
+    first, again = next(ffcv_loader.epoch(1)), next(ffcv_loader.epoch(1))
+    assert torch.equal(first.views[0], again.views[0]) and torch.equal(first.boxes[1], again.boxes[1])
+    other_epoch = next(ffcv_loader.epoch(4))
+    assert not torch.equal(first.indices, other_epoch.indices)
+
+
+def test_ranks_get_disjoint_equal_shards(dataset):
+    shards = []
+    for rank in range(3):
+        loader = build_view_loader(dataset["beton"], GROUPS[:1], 4, canvas_size=16, num_workers=1, rank=rank,
+                                   world_size=3)
+        assert len(loader) == 3                              # 44 // 3 = 14 per rank -> 3 batches of 4
+        shards.append(np.concatenate([loader.epoch_indices(5)]))
+        assert (torch.cat([b.indices for b in loader.epoch(5)]).numpy() == shards[-1]).all()
+    assert {len(s) for s in shards} == {12}
+    assert len(set(np.concatenate(shards).tolist())) == 36   # disjoint
+
+
+def test_each_image_is_decoded_once_however_many_views(dataset, monkeypatch):
+    """Counts the JPEG decodes the FFCV pipeline makes (numba off so that Python counters run inside it)."""
+    from ffcv.pipeline.compiler import Compiler
+
+    from pretrain.data import ffcv_loader as ffcv_module
+
+    decoded = []
+    real_imdecode = ffcv_module.DECODE_STEPS["imdecode"]
+
+    def counting_imdecode(source, destination, *args):
+        decoded.append(1)
+        return real_imdecode(source, destination, *args)
+
+    monkeypatch.setitem(ffcv_module.DECODE_STEPS, "imdecode", counting_imdecode)
+    Compiler.set_enabled(False)
+    try:
+        loader = build_view_loader(dataset["beton"], GROUPS, 8, canvas_size=32, num_workers=1)
+        batches = list(loader.epoch(0))
+    finally:
+        Compiler.set_enabled(True)
+    views_drawn = sum(v.shape[0] * v.shape[1] for b in batches for v in b.views)
+    assert len(batches) == 5 and views_drawn == 40 * 5
+    # FFCV prefetches at most the batches of this epoch, so decodes == samples (not views, not 2x samples)
+    assert len(decoded) == 40
+
+
+def test_torchvision_backend_has_the_same_shapes_and_semantics(dataset):
+    loader = build_view_loader(dataset["folder"], GROUPS, 8, backend="torchvision", num_workers=1, seed=3)
+    ffcv = build_view_loader(dataset["beton"], GROUPS, 8, canvas_size=32, num_workers=1, seed=3)
+    assert loader.num_images == 44 and len(loader) == len(ffcv)
+    batches = list(loader.epoch(0))
+    for batch in batches:
+        check_batch(batch, dataset, 8)
+    assert torch.equal(torch.cat([b.indices for b in batches]), torch.as_tensor(ffcv.epoch_indices(0)))
+    tail = [b.indices for b in loader.epoch(0, start_batch=4)]
+    assert len(tail) == 1 and torch.equal(tail[0], batches[4].indices)
+
+
+def test_image_loader_reads_every_image_in_order(dataset):
+    loader = build_image_loader(dataset["beton"], 16, 10, mean=(0.5,) * 3, std=(0.25,) * 3, num_workers=1)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 5
+    images = torch.cat([b[0] for b in batches])
+    assert images.shape == (44, 3, 16, 16)
+    assert torch.equal(torch.cat([b[2] for b in batches]), torch.arange(44))
+    assert (torch.cat([b[1] for b in batches]).numpy() == dataset["labels"]).all()
+    first = np.asarray(Image.open(sorted(dataset["folder"].rglob("*.jpg"))[0]).convert("RGB").resize((16, 16)))
+    reference = (torch.tensor(first).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
+    assert (images[0] - reference).abs().mean() < 0.3       # same picture (JPEG + resize filters differ)
+
+
+def test_full_crop_without_jitter_reproduces_the_canvas():
+    canvas = torch.randint(0, 256, (3, 16, 16, 3), dtype=torch.uint8)
+    identity = ViewGroup(count=2, size=16, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip_p=0.0, jitter_p=0.0,
+                         grayscale_p=0.0)
+    views, boxes = augment_views(canvas, torch.full((3, 2), 16), [identity], (0.0,) * 3, (1.0,) * 3,
+                                 torch.Generator().manual_seed(0))
+    expected = canvas.permute(0, 3, 1, 2).float() / 255
+    assert torch.allclose(views[0][:, 0], expected, atol=1e-5) and torch.allclose(views[0][:, 1], expected, atol=1e-5)
+    assert torch.allclose(boxes[0], torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(3, 2, 4))
+    flipped = ViewGroup(**{**identity.__dict__, "flip_p": 1.0, "grayscale_p": 1.0})
+    views, _ = augment_views(canvas, torch.full((3, 2), 16), [flipped], (0.0,) * 3, (1.0,) * 3,
+                             torch.Generator().manual_seed(0))
+    gray = (expected * torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)).sum(1, keepdim=True).flip(-1)
+    assert torch.allclose(views[0][:, 0], gray.expand(3, 3, 16, 16), atol=1e-5)
+
+
+def test_crop_boxes_follow_scale_and_source_aspect():
+    hw = torch.tensor([[100, 300]] * 4000)
+    boxes = sample_crop_boxes(hw, (0.2, 0.5), (0.75, 1.5), torch.Generator().manual_seed(0))
+    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    aspect = (boxes[:, 2] - boxes[:, 0]) * 300 / ((boxes[:, 3] - boxes[:, 1]) * 100)
+    assert area.min() >= 0.2 - 1e-9 and area.max() <= 0.5 + 1e-9
+    assert aspect.min() >= 0.75 - 1e-9 and aspect.max() <= 1.5 + 1e-9
+
+
+def test_pair_iou_matches_rasterised_boxes():
+    generator = torch.Generator().manual_seed(0)
+    corners = torch.rand(200, 2, 2, generator=generator).sort(dim=1).values     # (pair, corner, xy)
+    boxes_a = torch.cat([corners[:100, 0], corners[:100, 1]], dim=1)
+    boxes_b = torch.cat([corners[100:, 0], corners[100:, 1]], dim=1)
+    boxes_b[:10] = boxes_a[:10]                                    # identical pairs: IoU 1
+    boxes_b[10, :] = torch.tensor([0.9, 0.9, 0.95, 0.95]); boxes_a[10, :] = torch.tensor([0.0, 0.0, 0.1, 0.1])
+    grid = (torch.arange(400) + 0.5) / 400
+    gx, gy = grid[None, :, None], grid[None, None, :]
+
+    def inside(boxes):
+        return ((gx >= boxes[:, 0, None, None]) & (gx < boxes[:, 2, None, None])
+                & (gy >= boxes[:, 1, None, None]) & (gy < boxes[:, 3, None, None]))
+
+    in_a, in_b = inside(boxes_a), inside(boxes_b)
+    rasterised = (in_a & in_b).sum((1, 2)).float() / (in_a | in_b).sum((1, 2)).clamp(min=1).float()
+    iou = pair_iou(boxes_a, boxes_b)
+    assert torch.allclose(iou, rasterised, atol=0.02)
+    assert torch.allclose(iou[:10], torch.ones(10)) and iou[10] == 0
+    assert pair_iou(boxes_a[:, None], boxes_b[None, :5]).shape == (100, 5)          # broadcasting
+    assert pair_iou(torch.zeros(4), torch.zeros(4)) == 0                            # empty boxes: 0, not NaN
