@@ -1,0 +1,131 @@
+"""Benchmarks: `python -m pretrain.bench loader [--images 4000] [--batch-size 256] [--workers 2]`.
+
+`loader` measures images/s of the FFCV N-view loader against the torchvision DataLoader path on the same
+64 px JPEGs (an image folder and the .beton written from it), N = 2 and 4 views of 32 px, SimCLR recipe
+(RandomResizedCrop scale 0.2-1, flip, colour jitter p=0.8 (0.4, 0.4, 0.4, 0.1), grayscale p=0.2), after one
+warm-up epoch (numba compilation, worker start, page cache). Prints a table and writes JSON.
+Add a sub-command by writing `add_<name>_command(commands)` and calling it in `build_parser`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SIMCLR_SIDE = 32
+SOURCE_SIDE = 64
+
+
+def synthetic_image_folder(root: Path, count: int, side: int = SOURCE_SIDE) -> Path:
+    """`count` real-looking side x side JPEGs in 10 class folders: the digits upsampled, tinted, on a colour
+    gradient (so colour jitter and crops act on real structure). Reused when already complete."""
+    from PIL import Image
+
+    from pretrain.data.digits import digits_images
+
+    marker = root / f".complete-{count}-{side}"
+    if marker.exists():
+        return root
+    images, labels = digits_images(side)
+    rng = np.random.default_rng(0)
+    ramp = np.linspace(0, 1, side, dtype=np.float32)
+    for i in range(count):
+        digit = images[i % len(images)].astype(np.float32) / 255
+        ink, paper_a, paper_b = rng.uniform(0, 1, (3, 3)).astype(np.float32)
+        paper = paper_a[None, None] * ramp[:, None, None] + paper_b[None, None] * (1 - ramp[None, :, None])
+        picture = digit * ink[None, None] + (1 - digit) * paper
+        folder = root / f"class{labels[i % len(images)]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((picture * 255).astype(np.uint8)).save(folder / f"{i:06d}.jpg", quality=90)
+    marker.touch()
+    return root
+
+
+def images_per_second(loader, epochs: int = 1) -> float:
+    """Images/s over `epochs` epochs after one warm-up epoch; forces every view to be computed."""
+    for batch in loader.epoch(0):
+        pass
+    images, start = 0, time.perf_counter()
+    for epoch in range(1, epochs + 1):
+        for batch in loader.epoch(epoch):
+            images += batch.batch_size
+            float(batch.views[0][0, 0, 0, 0, 0])      # on CUDA: wait for the work to finish
+    return images / (time.perf_counter() - start)
+
+
+def run_loader_benchmark(args: argparse.Namespace) -> dict:
+    from pretrain.data.loader import build_view_loader
+    from pretrain.data.views import ViewGroup
+    from pretrain.data.writer import write_image_folder
+
+    work_dir = Path(args.data_dir)
+    folder = synthetic_image_folder(work_dir / f"images-{args.images}", args.images)
+    beton = work_dir / f"images-{args.images}.beton"
+    if not beton.exists():
+        write_image_folder(folder, beton, workers=args.workers)
+    torch.set_num_threads(args.workers)
+    rows = []
+    for views in (2, 4):
+        groups = [ViewGroup(count=views, size=SIMCLR_SIDE)]
+        for backend, path, canvas in (("ffcv", beton, SOURCE_SIDE), ("ffcv", beton, SIMCLR_SIDE),
+                                      ("torchvision", folder, None)):
+            loader = build_view_loader(path, groups, args.batch_size, backend=backend, device=args.device,
+                                       canvas_size=canvas or SOURCE_SIDE, num_workers=args.workers)
+            rate = images_per_second(loader, args.epochs)
+            rows.append({"backend": backend, "canvas": canvas, "views": views, "images_per_s": round(rate, 1),
+                         "views_per_s": round(rate * views, 1)})
+            print(f"  {backend:<12} canvas={str(canvas):<5} N={views}: {rate:9.1f} images/s", flush=True)
+    result = {"command": "loader", "images": args.images, "batch_size": args.batch_size, "workers": args.workers,
+              "device": args.device, "source_px": SOURCE_SIDE, "view_px": SIMCLR_SIDE, "epochs_timed": args.epochs,
+              "torch": torch.__version__, "python": platform.python_version(), "rows": rows}
+    by_key = {(r["backend"], r["canvas"], r["views"]): r["images_per_s"] for r in rows}
+    print(f"\n{'backend':<12}{'canvas':>8}{'N=2 img/s':>12}{'N=4 img/s':>12}{'vs torchvision':>18}{'N4/N2 cost':>12}")
+    for backend, canvas in (("ffcv", SOURCE_SIDE), ("ffcv", SIMCLR_SIDE), ("torchvision", None)):
+        two, four = by_key[(backend, canvas, 2)], by_key[(backend, canvas, 4)]
+        speedup = (f"{two / by_key[('torchvision', None, 2)]:.1f}x / "
+                   f"{four / by_key[('torchvision', None, 4)]:.1f}x")
+        print(f"{backend:<12}{str(canvas or '-'):>8}{two:>12.0f}{four:>12.0f}{speedup:>18}{two / four:>12.2f}")
+    return result
+
+
+def add_loader_command(commands) -> None:
+    loader = commands.add_parser("loader", help="FFCV N-view loader vs torchvision DataLoader, images/s.",
+                                 description="Measure images/s of the FFCV N-view loader and the torchvision path "
+                                             "on the same synthetic 64 px JPEGs, N = 2 and 4 views of 32 px.")
+    loader.add_argument("--images", type=int, default=4000, help="Number of synthetic images. Default: 4000.")
+    loader.add_argument("--batch-size", type=int, default=256, help="Images per batch. Default: 256.")
+    loader.add_argument("--workers", type=int, default=2,
+                        help="FFCV threads / DataLoader worker processes / torch threads. Default: 2.")
+    loader.add_argument("--epochs", type=int, default=1, help="Timed epochs after the warm-up epoch. Default: 1.")
+    loader.add_argument("--device", default="cpu", help="Device the views are made on (cpu, cuda). Default: cpu.")
+    loader.add_argument("--data-dir", default="bench/data", help="Where the synthetic images are cached. "
+                                                                 "Default: bench/data.")
+    loader.add_argument("--out", default="bench/loader.json", help="JSON result file. Default: bench/loader.json.")
+    loader.set_defaults(run=run_loader_benchmark)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.bench", description="Pretraining benchmarks.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_loader_command(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = args.run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
