@@ -196,9 +196,10 @@ def extract_features(encode: Callable[[torch.Tensor], torch.Tensor],
     features_by_batch, labels_by_batch, indices_by_batch = [], [], []
     for images, labels, indices in loader:
         features = encode(images.to(device, non_blocking=True))
-        features_by_batch.append(features.flatten(1).float().cpu())
-        labels_by_batch.append(labels.reshape(-1).long().cpu())
-        indices_by_batch.append(indices.reshape(-1).long().cpu())
+        # Copies, not views: FFCV reuses its batch buffers, so a kept view would be overwritten by later batches.
+        features_by_batch.append(features.flatten(1).float().cpu().clone())
+        labels_by_batch.append(labels.reshape(-1).long().cpu().clone())
+        indices_by_batch.append(indices.reshape(-1).long().cpu().clone())
     if not features_by_batch:
         raise EvaluationInputError("the loader yielded no images: check that the .beton file holds data")
     features = torch.cat(features_by_batch)

@@ -97,7 +97,7 @@ def test_linear_probe_learns_linearly_separable_data():
         return 50 + 20 * (directions[labels] + torch.randn(count, dim, generator=generator)), labels
     train_x, train_y = sample(600)
     val_x, val_y = sample(300)
-    accuracy = train_linear_probe(train_x, train_y, val_x, val_y, epochs=30, batch_size=64, device="cpu")
+    accuracy = train_linear_probe(train_x, train_y, val_x, val_y, epochs=15, batch_size=100, device="cpu")
     assert accuracy >= 0.95
 
 
@@ -208,14 +208,15 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
             for tag in accumulator.Tags()["scalars"]}
 
 
-def planted_image_dataset(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def planted_image_dataset(count: int, seed: int, side: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Images whose class is a bright quadrant: easy for any encoder, raw pixels included."""
     generator = torch.Generator().manual_seed(seed)
     labels = torch.arange(count) % 4
-    images = 0.1 * torch.randn(count, 3, 32, 32, generator=generator)
+    images = 0.1 * torch.randn(count, 3, side, side, generator=generator)
+    half = side // 2
     for quadrant in range(4):
         row, col = divmod(quadrant, 2)
-        images[labels == quadrant, :, 16 * row:16 * row + 16, 16 * col:16 * col + 16] += 2.0
+        images[labels == quadrant, :, half * row:half * row + half, half * col:half * col + half] += 2.0
     return images, labels
 
 
@@ -276,12 +277,12 @@ def test_augmented_linear_probe_trains_through_the_frozen_backbone():
     from eval.linear import train_linear_probe_on_views
 
     backbone = create_backbone("resnet18", "small_stride2").eval()
-    train_images, train_labels = planted_image_dataset(64, 0)
-    val_images, val_labels = planted_image_dataset(32, 1)
+    train_images, train_labels = planted_image_dataset(48, 0, side=16)
+    val_images, val_labels = planted_image_dataset(32, 1, side=16)
     val_features, _ = extract_features(backbone, shuffled_batches(val_images, val_labels, 16), "cpu")
     weights_before = {name: value.clone() for name, value in backbone.state_dict().items()}
     accuracy = train_linear_probe_on_views(backbone, InMemoryViewLoader(train_images, train_labels, 16),
-                                           val_features, val_labels, num_classes=4, epochs=5, device="cpu")
+                                           val_features, val_labels, num_classes=4, epochs=4, device="cpu")
     assert accuracy >= 0.9
     assert all(torch.equal(value, weights_before[name]) for name, value in backbone.state_dict().items())
 
@@ -298,7 +299,6 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def digits_dir(tmp_path_factory) -> Path:
     """The digits written once per test module with `python -m pretrain.data write-digits`."""
-    pytest.importorskip("pretrain.data.loader", reason="the image loader (pretrain/data/loader.py) is not there yet")
     out_dir = tmp_path_factory.mktemp("digits")
     written = run_module("pretrain.data", "write-digits", "--out-dir", str(out_dir))
     assert written.returncode == 0, written.stderr
