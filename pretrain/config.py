@@ -39,7 +39,7 @@ class DataConfig:
 class ModelConfig:
     arch: str = "resnet18"                   # any timm name: resnet18, resnet50, vit_small_patch16_224, ...
     stem: str = "imagenet"                   # imagenet | small | small_stride2 (ResNets on small images)
-    zero_init_residual: bool = False
+    zero_init_residual: bool = False         # ResNets: last BN of each residual branch starts at 0
     proj_hidden_dim: int = 2048
     proj_out_dim: int = 128
     proj_layers: int = 2

@@ -25,7 +25,7 @@ from torch import nn
 from pretrain.checkpoint import check_resumable, export_backbone, resume_if_possible, save_checkpoint
 from pretrain.config import run_dir_of, views_to_draw
 from pretrain.data.loader import build_view_loader
-from pretrain.hvs import select_hard_views
+from pretrain.hvs import Selection, select_hard_views
 from pretrain.methods import build_method
 from pretrain.monitor import TrainingMonitor
 from pretrain.optim import build_optimizer, cosine_schedule, scaled_lr, set_schedule_values
@@ -61,6 +61,23 @@ def deepspeed_config(cfg: DictConfig, bf16: bool) -> dict:
     if cfg.optim.grad_clip > 0:
         ds["gradient_clipping"] = cfg.optim.grad_clip
     return ds
+
+
+def train_step(engine, method: nn.Module, views: torch.Tensor, boxes: torch.Tensor,
+               hvs: DictConfig) -> tuple[torch.Tensor, Selection | None]:
+    """One micro-step: (hard view selection) -> forward -> loss -> backward -> optimizer step.
+
+    views: (B, N, C, H, W) with boxes (B, N, 4); without selection N is the method's own view count.
+    """
+    selection = None
+    if hvs.enabled:
+        selection = select_hard_views(engine, method, views, boxes, hvs.mode, hvs.selection_size)
+        views = selection.views
+    outputs = {name: tensor.float() for name, tensor in engine(views).items()}
+    loss = method.loss(outputs)
+    engine.backward(loss)
+    engine.step()   # DeepSpeed steps the optimizer at the end of each gradient-accumulation cycle
+    return loss.detach(), selection
 
 
 def denormalise(views: torch.Tensor, cfg: DictConfig) -> torch.Tensor:
@@ -145,15 +162,7 @@ def train(cfg: DictConfig) -> Path:
             step = engine.global_steps
             waited += time.perf_counter() - tick
             set_schedule_values(optimizer, lr_schedule[step], wd_schedule[step], peak_lr)
-            views, boxes = batch.views[0].to(dtype), batch.boxes[0]
-            selection = None
-            if cfg.hvs.enabled:
-                selection = select_hard_views(engine, method, views, boxes, cfg.hvs.mode, cfg.hvs.selection_size)
-                views = selection.views
-            outputs = {name: tensor.float() for name, tensor in engine(views).items()}
-            loss = method.loss(outputs)
-            engine.backward(loss)
-            engine.step()
+            loss, selection = train_step(engine, method, batch.views[0].to(dtype), batch.boxes[0], cfg.hvs)
             batch_index += 1
             images += batch.batch_size * world_size
             if engine.global_steps == step:      # inside a gradient-accumulation cycle

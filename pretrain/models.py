@@ -8,19 +8,23 @@ from torch import nn
 STEMS = ("imagenet", "small", "small_stride2")
 
 
-def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = None) -> nn.Module:
+def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = None,
+                    zero_init_residual: bool = True) -> nn.Module:
     """Build a timm backbone that returns pooled features; `backbone.num_features` is their width.
 
     stem: "imagenet" keeps the architecture's own stem. For small images (32 px) on ResNets,
       "small" is a 3x3 stride-1 convolution without max-pool (the CIFAR stem of SimCLR / SimSiam) and
       "small_stride2" a 3x3 stride-2 convolution without max-pool (4x cheaper, for CPU runs).
     image_size: input side for ViTs (their position embedding depends on it); ignored by ResNets.
+    zero_init_residual: ResNets start each residual branch's last BatchNorm at zero (timm's zero_init_last).
     """
     if stem not in STEMS:
         raise ValueError(f"model.stem={stem!r} is not one of {STEMS}")
     kwargs = {"num_classes": 0}
     if arch.startswith("vit") and image_size is not None:
         kwargs["img_size"] = image_size
+    if arch.startswith("resnet"):
+        kwargs["zero_init_last"] = zero_init_residual
     try:
         backbone = timm.create_model(arch, pretrained=False, **kwargs)
     except RuntimeError as error:  # timm: "Unknown model (...)"

@@ -26,7 +26,7 @@ class TrainingMonitor:
             return
         for tag, value in scalars.items():
             self.tb.add_scalar(tag, value, step)
-        self.jsonl.write(json.dumps({"step": step, "epoch": epoch, **scalars}) + "\n")
+        self.jsonl.write(json.dumps({"step": step, "epoch": epoch, "time": round(time.time(), 3), **scalars}) + "\n")
         self.jsonl.flush()
         self.tb.flush()
         self._progress(step, epoch, scalars)

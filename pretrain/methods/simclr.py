@@ -18,7 +18,7 @@ class SimCLR(nn.Module):
     def __init__(self, cfg: DictConfig):
         super().__init__()
         m = cfg.model
-        self.backbone = create_backbone(m.arch, m.stem, image_size=cfg.data.views[0].size)
+        self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
         self.projector = mlp(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers)
         self.temperature = cfg.method.temperature
         self.gather_negatives = cfg.method.gather_negatives

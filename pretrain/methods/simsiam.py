@@ -18,7 +18,7 @@ class SimSiam(nn.Module):
     def __init__(self, cfg: DictConfig):
         super().__init__()
         m = cfg.model
-        self.backbone = create_backbone(m.arch, m.stem, image_size=cfg.data.views[0].size)
+        self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
         self.projector = mlp(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers,
                              last_bn=True)
         self.predictor = mlp(m.proj_out_dim, m.pred_hidden_dim, m.proj_out_dim, 2)

@@ -1,0 +1,37 @@
+# make demo   installs everything it needs, then runs the whole pipeline on the embedded digits data
+# make test   installs everything it needs, then runs the test suite
+# make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev
+
+.PHONY: install demo test bench clean-runs
+
+install: $(VENV)/.installed
+
+# FFCV compiles against OpenCV and libjpeg-turbo. torch and torchvision come from the package registry
+# (CUDA build, runs on CPUs too): `pip --isolated` ignores a local CPU-only torch wheel that pip may be
+# configured to prefer, with which torchvision's compiled ops do not load.
+$(VENV)/.installed: pyproject.toml
+	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
+		else echo "FFCV needs the Debian packages: $(APT_PACKAGES) (run as root, or: sudo apt-get install $(APT_PACKAGES))"; exit 1; fi; \
+	fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip --isolated install -q --upgrade pip
+	$(PY) -m pip --isolated install -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(PY) -m launch.demo
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) -m pretrain.bench loader
+	$(PY) -m pretrain.bench hvs
+
+clean-runs:
+	rm -rf runs/demo

@@ -1,0 +1,57 @@
+"""Config loading: schema defaults, YAML files, overrides, and errors a user can act on."""
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import ConfigError, load_config, views_to_draw
+from pretrain.__main__ import main
+
+CONFIGS = sorted(Path(__file__).parents[1].glob("configs/pretrain/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.name
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = load_config(None, ["hvs.enabled=true", "optim.lr=0.3", "data.views.0.size=64", "hvs.selection_size=16"])
+    assert cfg.hvs.enabled is True and cfg.optim.lr == 0.3 and cfg.data.views[0].size == 64
+    groups = views_to_draw(cfg)
+    assert groups[0].count == cfg.hvs.num_views == 4 and groups[0].scale == (0.2, 1.0)
+
+
+@pytest.mark.parametrize("override, closest", [("hvs.enabld=true", "hvs.enabled"),
+                                               ("optim.wieght_decay=0.1", "optim.weight_decay"),
+                                               ("data.views.0.szie=3", "data.views.0.size")])
+def test_mistyped_key_names_the_closest_valid_one(override, closest):
+    with pytest.raises(ConfigError, match=f"unknown config key .*did you mean '{closest}'"):
+        load_config(None, [override])
+
+
+def test_mistyped_key_in_a_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nmethod:\n  temprature: 0.1\n")
+    with pytest.raises(ConfigError, match="'method.temprature'.*'method.temperature'"):
+        load_config(path)
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config(None, ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match="method.name='byol'"):
+        load_config(None, ["method.name=byol"])
+    with pytest.raises(ConfigError, match="hvs.num_views=2"):
+        load_config(None, ["hvs.enabled=true", "hvs.num_views=2"])
+    with pytest.raises(ConfigError, match="lars"):
+        load_config(None, ["optim.name=lars", "engine.zero_stage=2"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["hvs.enabled"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/pretrain/nope.yaml")
+
+
+def test_cli_reports_config_errors_without_traceback(capsys):
+    assert main(["hvs.enabld=true"]) == 2
+    assert "did you mean 'hvs.enabled'" in capsys.readouterr().err
