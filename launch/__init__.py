@@ -1,0 +1,1 @@
+"""Operations: the demo (`python -m launch.demo`); submitit launches come with their own issue."""
