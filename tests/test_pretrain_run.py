@@ -36,6 +36,28 @@ def pretrain_command(run_dir: Path, digits: Path, *overrides: str, processes: in
                        f"data.val={digits / 'val.beton'}", *TINY, *overrides]
 
 
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once, as a node failure or `scancel` would (torchrun's
+    workers run in sessions of their own, so killing the launcher's group alone leaves them running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        tree.append(current)
+        frontier += children.get(current, [])
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -76,15 +98,19 @@ def test_two_processes_zero2_killed_then_resumed_at_the_right_step(digits, tmp_p
     run_dir = tmp_path / "run"
     common = ("engine.zero_stage=2", "engine.checkpoint_every_steps=2", "optim.warmup_epochs=0.5")
     first = subprocess.Popen(pretrain_command(run_dir, digits, *common, processes=2), cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.time() + 240
     while not latest.exists() and first.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(first.pid, signal.SIGKILL)          # a crash: no clean shutdown, no final checkpoint
+    kill_process_tree(first.pid)                   # a crash: no clean shutdown, no final checkpoint
     first.wait()
+    time.sleep(1)
     assert latest.exists(), first.stderr.read().decode()[-3000:]
     assert not (run_dir / "finished.json").exists()
+    killed_at = int(latest.read_text().strip().removeprefix("step"))
+    time.sleep(2)                                  # nothing of the killed run goes on writing
+    assert int(latest.read_text().strip().removeprefix("step")) == killed_at
     killed_at = int(latest.read_text().strip().removeprefix("step"))
     assert killed_at >= 2 and killed_at % 2 == 0
     # every rank wrote its ZeRO-2 optimizer shard
