@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                "Every key and its default is in pretrain/config.py.")
     parser.add_argument("--config", help="YAML file under configs/pretrain/ (omit to use the schema defaults)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    # The deepspeed launcher passes --local_rank; the process group reads LOCAL_RANK from the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.epochs=5")
     args = parser.parse_args(argv)
     try:

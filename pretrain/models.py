@@ -21,8 +21,10 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
     if stem not in STEMS:
         raise ValueError(f"model.stem={stem!r} is not one of {STEMS}")
     kwargs = {"num_classes": 0}
-    if arch.startswith("vit") and image_size is not None:
-        kwargs["img_size"] = image_size
+    if arch.startswith("vit"):
+        kwargs["dynamic_img_size"] = True     # the HVS selection pass may run at a lower resolution
+        if image_size is not None:
+            kwargs["img_size"] = image_size
     if arch.startswith("resnet"):
         kwargs["zero_init_last"] = zero_init_residual
     try:
