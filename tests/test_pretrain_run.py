@@ -87,6 +87,13 @@ def test_tiny_run_end_to_end_with_hard_view_selection(digits, tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     assert {"hvs/pool", "hvs/selected"} <= set(events.Tags()["images"])
 
+    # The same directory with another architecture is refused, with what to do, and nothing is lost.
+    clash = subprocess.run(pretrain_command(run_dir, digits, "model.arch=resnet34"), cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert clash.returncode == 1
+    assert "model.arch='resnet18'" in clash.stderr and "Use another run name" in clash.stderr
+    assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 4
+
     knn = subprocess.run([sys.executable, "-m", "eval", "knn", "--run", str(run_dir), "--k", "10", "20"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert knn.returncode == 0, knn.stderr[-3000:]
