@@ -1,0 +1,1 @@
+"""Data: .beton writing, the embedded digits, the N-view loaders (FFCV and torchvision) and batched augmentation."""
