@@ -1,9 +1,11 @@
-"""Benchmarks: `python -m pretrain.bench loader [--images 4000] [--batch-size 256] [--workers 2]`.
+"""Benchmarks: `python -m pretrain.bench loader|hvs [options]`. Each prints a table and writes JSON.
 
 `loader` measures images/s of the FFCV N-view loader against the torchvision DataLoader path on the same
 64 px JPEGs (an image folder and the .beton written from it), N = 2 and 4 views of 32 px, SimCLR recipe
 (RandomResizedCrop scale 0.2-1, flip, colour jitter p=0.8 (0.4, 0.4, 0.4, 0.1), grayscale p=0.2), after one
 warm-up epoch (numba compilation, worker start, page cache). Prints a table and writes JSON.
+`hvs` times the real training step (DeepSpeed engine, method, selection pass) with hard view selection
+(N=4, at full and at half resolution) over the step without (N=2), same batch, as ratios from one run.
 Add a sub-command by writing `add_<name>_command(commands)` and calling it in `build_parser`.
 """
 from __future__ import annotations
@@ -138,10 +140,82 @@ def add_loader_command(commands) -> None:
     loader.set_defaults(run=run_loader_benchmark)
 
 
+# ==== hvs: training-step time with hard view selection (N=4) over without (N=2) ====
+
+def time_train_steps(cfg, steps: int, warmup: int) -> float:
+    """Median seconds of one training step (selection pass included when cfg.hvs.enabled) on fixed
+    random views: the model's cost alone, without the loader."""
+    import deepspeed
+
+    from pretrain.config import views_to_draw
+    from pretrain.engine import deepspeed_config, train_step
+    from pretrain.methods import build_method
+    from pretrain.optim import build_optimizer
+
+    torch.manual_seed(0)
+    method = build_method(cfg)
+    optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
+    engine, _, _, _ = deepspeed.initialize(model=method, optimizer=optimizer, config=deepspeed_config(cfg, False))
+    group = views_to_draw(cfg)[0]
+    views = torch.randn(cfg.data.batch_size, group.count, 3, group.size, group.size)
+    boxes = torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(cfg.data.batch_size, group.count, 4)
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        train_step(engine, method, views, boxes, cfg.hvs)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[warmup:]))
+
+
+def run_hvs_benchmark(args: argparse.Namespace) -> dict:
+    from pretrain.config import load_config
+    from pretrain.engine import init_distributed
+
+    init_distributed()
+    rows = []
+    for method in args.methods:
+        common = [f"method.name={method}", f"data.batch_size={args.batch_size}", f"data.views.0.size={args.size}"]
+        if method == "simsiam":
+            common += ["model.proj_out_dim=512", "model.pred_hidden_dim=128"]
+        variants = [("N=2, no selection", ["hvs.enabled=false"]),
+                    ("N=4, HVS", ["hvs.enabled=true", "hvs.num_views=4"]),
+                    (f"N=4, HVS, selection at {args.size // 2} px",
+                     ["hvs.enabled=true", "hvs.num_views=4", f"hvs.selection_size={args.size // 2}"])]
+        baseline = None
+        for name, overrides in variants:
+            cfg = load_config(args.config, common + overrides)
+            seconds = time_train_steps(cfg, args.steps, args.warmup)
+            baseline = baseline or seconds
+            rows.append({"method": method, "variant": name, "step_s": seconds, "ratio": seconds / baseline})
+    print(f"\ntraining-step time, {args.config}, batch {args.batch_size}, {args.size} px, "
+          f"median of {args.steps} steps ({torch.get_num_threads()} threads)")
+    print(f"{'method':<9}{'variant':<34}{'step (s)':>10}{'x N=2':>8}")
+    for row in rows:
+        print(f"{row['method']:<9}{row['variant']:<34}{row['step_s']:>10.3f}{row['ratio']:>8.2f}")
+    result = {"config": args.config, "batch_size": args.batch_size, "size": args.size, "rows": rows}
+    return result
+
+
+def add_hvs_command(commands) -> None:
+    parser = commands.add_parser(
+        "hvs", help="training-step time with hard view selection (N=4) over without (N=2), same batch",
+        description="Times the real training step (DeepSpeed engine, method, selection pass) on fixed random "
+                    "views, with and without hard view selection, and prints the ratio measured in one run.")
+    parser.add_argument("--config", default="configs/pretrain/simclr_digits.yaml", help="base config")
+    parser.add_argument("--methods", nargs="+", default=["simclr", "simsiam"], help="methods to time")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per step")
+    parser.add_argument("--size", type=int, default=16, help="view side in pixels")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (allocator, oneDNN warm-up)")
+    parser.add_argument("--out", default="bench/hvs.json", help="where the JSON result goes")
+    parser.set_defaults(run=run_hvs_benchmark)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pretrain.bench", description="Pretraining benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_loader_command(commands)
+    add_hvs_command(commands)
     return parser
 
 
