@@ -7,6 +7,7 @@ batched over every view of the batch; the source height / width fields give aspe
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -23,6 +24,24 @@ from ffcv.pipeline.state import State
 from ffcv.transforms import ToTensor
 
 from pretrain.data.writer import FIELD_NAMES
+
+
+def _quiet_numba_finalizer_key_errors(unraisable, previous_hook=sys.unraisablehook) -> None:
+    """Numba's dispatcher finalizer iterates an OrderedDict of compiled overloads that FFCV's threaded
+    compilation can leave inconsistent; when such a dispatcher is garbage-collected the finalizer raises a
+    KeyError that Python prints as "Exception ignored in ... finalize object" (nothing is lost: it only
+    releases compiled code). Those, and only those, are not printed; the rest goes to the previous hook."""
+    frame = unraisable.exc_traceback
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    code = frame.tb_frame.f_code if frame is not None else None
+    if (isinstance(unraisable.exc_value, KeyError) and code is not None and code.co_name == "finalizer"
+            and code.co_filename.endswith("numba/core/dispatcher.py")):
+        return
+    previous_hook(unraisable)
+
+
+sys.unraisablehook = _quiet_numba_finalizer_key_errors
 
 # The native steps the decoder compiles, looked up when a Loader is built: a test swaps in counting versions
 # (with numba disabled) to prove each sample is decoded exactly once however many views are drawn.
