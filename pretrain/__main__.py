@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.engine import train
     try:
         train(cfg)
-    except (CheckpointError, FileNotFoundError) as error:
+    except (ConfigError, CheckpointError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

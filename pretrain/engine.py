@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from pretrain.checkpoint import check_resumable, export_backbone, resume_if_possible, save_checkpoint
-from pretrain.config import run_dir_of, views_to_draw
+from pretrain.config import ConfigError, run_dir_of, views_to_draw
 from pretrain.data.loader import build_view_loader
 from pretrain.hvs import Selection, select_hard_views
 from pretrain.methods import build_method
@@ -89,6 +89,10 @@ def denormalise(views: torch.Tensor, cfg: DictConfig) -> torch.Tensor:
 def train(cfg: DictConfig) -> Path:
     """Run (or resume) the pretraining described by `cfg`; return the run directory."""
     # ==== processes, run directory, seeds ====
+    if not Path(cfg.data.train).is_file():
+        raise FileNotFoundError(f"data.train={cfg.data.train!r} does not exist: write it first with "
+                                "`python -m pretrain.data write --image-folder DIR --out FILE.beton` "
+                                "(or `python -m pretrain.data write-digits --out-dir data/digits`)")
     rank, world_size, device = init_distributed()
     run_dir = run_dir_of(cfg)
     checkpoint_dir = run_dir / "checkpoints"
@@ -110,7 +114,7 @@ def train(cfg: DictConfig) -> Path:
         canvas_size=cfg.data.canvas_size, mean=tuple(cfg.data.mean), std=tuple(cfg.data.std),
         num_workers=cfg.data.num_workers, seed=cfg.seed, rank=rank, world_size=world_size)
     if len(loader) < cfg.optim.grad_accum:
-        raise ValueError(f"{cfg.data.train} gives {len(loader)} batches of {cfg.data.batch_size} per process per "
+        raise ConfigError(f"{cfg.data.train} gives {len(loader)} batches of {cfg.data.batch_size} per process per "
                          f"epoch, fewer than optim.grad_accum={cfg.optim.grad_accum}; lower data.batch_size")
 
     # ==== method (backbone + heads + loss) ====
@@ -166,13 +170,15 @@ def train(cfg: DictConfig) -> Path:
             batch_index += 1
             images += batch.batch_size * world_size
             if engine.global_steps == step:      # inside a gradient-accumulation cycle
+                tick = time.perf_counter()
                 continue
             method.after_step(engine.global_steps)
 
             # ---- logging ----
             if step % cfg.engine.log_every_steps == 0 or engine.global_steps == stop_step:
                 elapsed = time.perf_counter() - window_start
-                scalars = {"train/loss": loss.item(), "train/lr": float(lr_schedule[step]),
+                dist.all_reduce(loss)
+                scalars = {"train/loss": loss.item() / world_size, "train/lr": float(lr_schedule[step]),
                            "train/weight_decay": float(wd_schedule[step]),
                            "perf/images_per_s": images / max(elapsed, 1e-9),
                            "perf/data_wait_frac": waited / max(elapsed, 1e-9)}

@@ -55,3 +55,10 @@ def test_bad_values_are_refused():
 def test_cli_reports_config_errors_without_traceback(capsys):
     assert main(["hvs.enabld=true"]) == 2
     assert "did you mean 'hvs.enabled'" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_missing_beton_and_says_how_to_write_it(capsys, tmp_path):
+    assert main(["data.train=nope.beton", f"run_dir={tmp_path / 'run'}"]) == 1
+    err = capsys.readouterr().err
+    assert "data.train='nope.beton' does not exist" in err and "python -m pretrain.data write" in err
+    assert not (tmp_path / "run").exists()          # nothing is created for a run that cannot start
