@@ -85,7 +85,8 @@ class EngineConfig:
     sync_batchnorm: bool = True              # SyncBatchNorm on multi-GPU runs (never on CPU)
     checkpoint_every_steps: int = 0          # 0: at the end of every epoch only
     keep_checkpoints: int = 2
-    log_every_steps: int = 10
+    log_every_steps: int = 1                 # scalars to TensorBoard / metrics.jsonl (HVS statistics every step)
+    print_every_steps: int = 10              # progress line on the console
     image_grid_every_steps: int = 500        # 0 disables the grid of selected views
     max_steps: int = 0                       # stop after this many optimizer steps (0: the whole schedule)
 

@@ -12,8 +12,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class TrainingMonitor:
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, print_every_steps: int = 10):
         self.enabled = enabled
+        self.print_every_steps = max(1, print_every_steps)
         self.total_steps = total_steps
         self.started = time.time()
         self.first_step: int | None = None
@@ -28,8 +29,9 @@ class TrainingMonitor:
             self.tb.add_scalar(tag, value, step)
         self.jsonl.write(json.dumps({"step": step, "epoch": epoch, "time": round(time.time(), 3), **scalars}) + "\n")
         self.jsonl.flush()
-        self.tb.flush()
-        self._progress(step, epoch, scalars)
+        if step % self.print_every_steps == 0 or step in (1, self.total_steps):
+            self.tb.flush()
+            self._progress(step, epoch, scalars)
 
     def log_images(self, step: int, tag: str, images: torch.Tensor) -> None:
         """images: (rows, cols, C, H, W) in [0, 1], shown as one grid (one row per sample)."""
