@@ -62,9 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                  f"data.train={data_dir / 'train.beton'}", f"data.val={data_dir / 'val.beton'}", *args.overrides]
     command = [sys.executable, "-m", "pretrain", "--config", CONFIG, *overrides]
     print("$", " ".join(command), flush=True)
+    pretrain_started = time.time()
     if subprocess.run(command).returncode != 0:
         print("demo: pretraining failed (see above)", file=sys.stderr)
         return 1
+
+    pretrain_seconds = time.time() - pretrain_started
 
     # ==== 3. evaluation: pretrained vs random init vs raw pixels ====
     cfg = load_config(CONFIG, overrides)
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'encoder':<14}{'k-NN top-1':>12}{'linear top-1':>14}")
     for name in results:
         print(f"{name:<14}{table['knn'][name]:>12.2%}{table['linear'][name]:>14.2%}")
-    print(f"\n{table['seconds']:.0f} s in all; results in {run_dir / 'demo.json'}; "
+    print(f"\n{table['seconds']:.0f} s in all ({pretrain_seconds:.0f} s pretraining); results in {run_dir / 'demo.json'}; "
           f"tensorboard --logdir {run_dir.parent}")
     return 0
 
