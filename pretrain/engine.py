@@ -89,7 +89,7 @@ def denormalise(views: torch.Tensor, cfg: DictConfig) -> torch.Tensor:
 def train(cfg: DictConfig) -> Path:
     """Run (or resume) the pretraining described by `cfg`; return the run directory."""
     # ==== processes, run directory, seeds ====
-    if not Path(cfg.data.train).is_file():
+    if not Path(cfg.data.train).exists():
         raise FileNotFoundError(f"data.train={cfg.data.train!r} does not exist: write it first with "
                                 "`python -m pretrain.data write --image-folder DIR --out FILE.beton` "
                                 "(or `python -m pretrain.data write-digits --out-dir data/digits`)")

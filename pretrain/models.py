@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import timm
-import torch
 from torch import nn
 
 STEMS = ("imagenet", "small", "small_stride2")
@@ -54,7 +53,3 @@ def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: bo
         layers.append(nn.BatchNorm1d(out_dim, affine=False))
     return nn.Sequential(*layers)
 
-
-@torch.no_grad()
-def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

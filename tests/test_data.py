@@ -1,7 +1,6 @@
 """The N-view loaders (FFCV and torchvision), batched augmentation, evaluation loader and pair_iou."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -6,7 +6,7 @@ the training device and the crop box of every view in normalised source-image co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
