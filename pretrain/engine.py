@@ -146,8 +146,8 @@ def train(cfg: DictConfig) -> Path:
             print(f"resumed {run_dir} at step {engine.global_steps} (epoch {start_epoch}, batch {start_batch})",
                   flush=True)
     stop_step = min(total_steps, cfg.engine.max_steps) if cfg.engine.max_steps > 0 else total_steps
-    monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0,
-                              print_every_steps=cfg.engine.print_every_steps)
+    monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=cfg.engine.print_every_steps,
+                              resumed_step=engine.global_steps if client_state is not None else None)
 
     def checkpoint(epoch: int, batch_in_epoch: int) -> None:
         step = engine.global_steps

@@ -12,15 +12,25 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class TrainingMonitor:
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, print_every_steps: int = 10):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, print_every_steps: int = 10,
+                 resumed_step: int | None = None):
+        """resumed_step: the step a resumed run restarts from. What a killed run logged after its last
+        checkpoint is dropped, from metrics.jsonl and (through purge_step) from TensorBoard, so each step
+        appears once."""
         self.enabled = enabled
         self.print_every_steps = max(1, print_every_steps)
         self.total_steps = total_steps
         self.started = time.time()
         self.first_step: int | None = None
         if enabled:
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-            self.jsonl = open(run_dir / "metrics.jsonl", "a")
+            metrics = run_dir / "metrics.jsonl"
+            if resumed_step is not None and metrics.exists():
+                kept = [line for line in metrics.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= resumed_step]
+                metrics.write_text("".join(line + "\n" for line in kept))
+            purge_step = resumed_step + 1 if resumed_step is not None else None
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
+            self.jsonl = open(metrics, "a")
 
     def log(self, step: int, epoch: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
