@@ -49,16 +49,20 @@ def resume_if_possible(engine, checkpoint_dir: Path) -> dict | None:
     if not latest.is_file():
         return None
     tag = latest.read_text().strip()
+    if not (checkpoint_dir / tag).is_dir():
+        raise CheckpointError(f"{latest} names checkpoint {tag!r}, which is missing; write the name of a complete "
+                              f"checkpoint directory of {checkpoint_dir} into it, or delete it to start afresh")
     try:
         path, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
-    except (RuntimeError, KeyError, ValueError) as error:
+    except (RuntimeError, KeyError, ValueError, AssertionError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise CheckpointError(
             f"cannot resume from {checkpoint_dir / tag}: it does not match this run's model or optimizer "
-            f"({str(error).splitlines()[0][:300]}). Start a new run (a different `name=`), or delete "
-            f"{checkpoint_dir} to start this one from scratch.") from None
+            f"({reason}). Start a new run (a different `name=`), or delete {checkpoint_dir} to start this one "
+            "from scratch.") from None
     if path is None:
-        raise CheckpointError(f"{latest} names checkpoint {tag!r}, which is missing or incomplete; "
-                              f"delete {latest} to resume from an older one or start afresh")
+        raise CheckpointError(f"checkpoint {checkpoint_dir / tag} is incomplete; write the name of an older "
+                              f"checkpoint into {latest}, or delete it to start afresh")
     return client_state
 
 

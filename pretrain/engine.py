@@ -99,7 +99,6 @@ def train(cfg: DictConfig) -> Path:
     if rank == 0:
         check_resumable(run_dir / "config.yaml", cfg)
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     dist.barrier()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     random.seed(cfg.seed)
@@ -145,6 +144,8 @@ def train(cfg: DictConfig) -> Path:
         if rank == 0:
             print(f"resumed {run_dir} at step {engine.global_steps} (epoch {start_epoch}, batch {start_batch})",
                   flush=True)
+    if rank == 0:   # only now: a run refused above must not overwrite the record of the run it clashed with
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     stop_step = min(total_steps, cfg.engine.max_steps) if cfg.engine.max_steps > 0 else total_steps
     monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=cfg.engine.print_every_steps,
                               resumed_step=engine.global_steps if client_state is not None else None)

@@ -93,6 +93,15 @@ def test_tiny_run_end_to_end_with_hard_view_selection(digits, tmp_path):
     assert clash.returncode == 1
     assert "model.arch='resnet18'" in clash.stderr and "Use another run name" in clash.stderr
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 4
+    # A checkpoint whose heads differ in shape is refused by name; so is a `latest` naming a missing one.
+    shapes = subprocess.run(pretrain_command(run_dir, digits, "model.proj_hidden_dim=48"), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert shapes.returncode == 1 and "does not match this run's model" in shapes.stderr
+    assert load_config(run_dir / "config.yaml").model.proj_hidden_dim == 64      # the record is intact
+    (run_dir / "checkpoints" / "latest").write_text("step00000099")
+    missing = subprocess.run(pretrain_command(run_dir, digits), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and "names checkpoint 'step00000099', which is missing" in missing.stderr
+    (run_dir / "checkpoints" / "latest").write_text("step00000004")
 
     knn = subprocess.run([sys.executable, "-m", "eval", "knn", "--run", str(run_dir), "--k", "10", "20"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
