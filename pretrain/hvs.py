@@ -52,7 +52,7 @@ def select_hard_views(forward: Callable[[torch.Tensor], dict], method, views: to
     if selection_size and selection_size != views.shape[-1]:
         pool = F.interpolate(views.flatten(0, 1), size=selection_size, mode="bilinear", antialias=True,
                              align_corners=False).unflatten(0, (batch, num_views))
-    outputs = forward(pool)
+    outputs = {name: tensor.float() for name, tensor in forward(pool).items()}   # scores in fp32 under bf16
     combinations = method.candidates(num_views)
     scores = torch.stack([method.sample_loss(outputs, c).float() for c in combinations], dim=1)   # (B, C)
     pick = scores.argmax(dim=1) if mode == "hard" else scores.argmin(dim=1)
