@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eval.features import extract_features, load_backbone_export
+from eval.features import extract_features, load_backbone_export, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
 from pretrain.config import load_config
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ==== 3. evaluation: pretrained vs random init vs raw pixels ====
     cfg = load_config(CONFIG, overrides)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")
     pretrained = load_backbone_export(run_dir / "backbone.pth").backbone.to(device).eval()
     torch.manual_seed(cfg.seed)
     random_init = create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size,

@@ -16,10 +16,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
-
-IMAGENET_MEAN = [0.485, 0.456, 0.406]
-IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
 @dataclass
