@@ -31,7 +31,7 @@ def digits(tmp_path_factory):
 
 def pretrain_command(run_dir: Path, digits: Path, *overrides: str, processes: int = 1) -> list[str]:
     launcher = [sys.executable, "-m", "pretrain"] if processes == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "-m", "pretrain"]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), "-m", "pretrain"]
     return launcher + ["--config", str(CONFIG), f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
                        f"data.val={digits / 'val.beton'}", *TINY, *overrides]
 
