@@ -173,9 +173,9 @@ def resolve_beton_path(override: str | Path | None, config: dict[str, Any], spli
         if not configured:
             raise EvaluationInputError(f"the export's config has no data.{split} path: pass {option} FILE.beton")
         path = Path(configured)
-    if not path.is_file():
-        raise EvaluationInputError(f"no .beton file at {path} (data.{split}): write it with "
-                                   f"`python -m pretrain.data ...` or pass {option} FILE.beton")
+    if not path.exists():   # a .beton, or an image folder (read without FFCV)
+        raise EvaluationInputError(f"no .beton file or image folder at {path} (data.{split}): write it with "
+                                   f"`python -m pretrain.data ...` or pass {option} FILE.beton (or an image folder)")
     return path
 
 

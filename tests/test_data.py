@@ -145,6 +145,21 @@ def test_image_loader_reads_every_image_in_order(dataset):
     assert (images[0] - reference).abs().mean() < 0.3       # same picture (JPEG + resize filters differ)
 
 
+def test_image_loader_reads_an_image_folder_without_ffcv_like_the_beton(dataset):
+    folder = build_image_loader(dataset["folder"], 16, 10, mean=(0.5,) * 3, std=(0.25,) * 3, num_workers=0)
+    beton = build_image_loader(dataset["beton"], 16, 10, mean=(0.5,) * 3, std=(0.25,) * 3, num_workers=1)
+    from_folder, from_beton = list(folder), list(beton)
+    assert len(from_folder) == len(folder) == 5
+    assert torch.equal(torch.cat([b[2] for b in from_folder]), torch.arange(44))
+    assert (torch.cat([b[1] for b in from_folder]).numpy() == dataset["labels"]).all()
+    images_folder = torch.cat([b[0] for b in from_folder])
+    images_beton = torch.cat([b[0].clone() for b in from_beton])
+    assert images_folder.shape == images_beton.shape == (44, 3, 16, 16)
+    # The same pictures (the .beton holds re-encoded JPEGs and resizes through its canvas).
+    assert (images_folder - images_beton).abs().mean() < 0.3
+    assert (images_folder - images_beton.roll(1, 0)).abs().mean() > 2 * (images_folder - images_beton).abs().mean()
+
+
 def test_full_crop_without_jitter_reproduces_the_canvas():
     canvas = torch.randint(0, 256, (3, 16, 16, 3), dtype=torch.uint8)
     identity = ViewGroup(count=2, size=16, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip_p=0.0, jitter_p=0.0,

@@ -187,7 +187,7 @@ def test_missing_beton_is_refused(tmp_path, capsys):
     write_export(tmp_path / "backbone.pth", RESNET18_SMALL.state_dict(), train=tmp_path / "missing.beton")
     assert main(["knn", "--run", str(tmp_path)]) == 2
     error = capsys.readouterr().err
-    assert f"no .beton file at {tmp_path / 'missing.beton'} (data.train)" in error and "--train" in error
+    assert f"no .beton file or image folder at {tmp_path / 'missing.beton'} (data.train)" in error and "--train" in error
 
 
 def test_file_that_is_not_an_export_is_refused(tmp_path):

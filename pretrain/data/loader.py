@@ -203,12 +203,39 @@ class ImageLoader:
                    indices.to(self.device))
 
 
+class TorchvisionImageLoader:
+    """The same output as `ImageLoader`, from an image folder through a torch DataLoader (no FFCV)."""
+
+    def __init__(self, path: str | Path, image_size: int, batch_size: int, *, device: torch.device,
+                 mean: Sequence[float], std: Sequence[float], num_workers: int):
+        from pretrain.data.torchvision_loader import ImageFolderImages
+
+        self.dataset = ImageFolderImages(path, image_size, mean, std)
+        self.num_images, self.batch_size, self.device = len(self.dataset), batch_size, device
+        self.num_workers = num_workers
+
+    def __len__(self) -> int:
+        return -(-self.num_images // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        from torch.utils.data import DataLoader
+
+        for images, labels, indices in DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False,
+                                                  num_workers=self.num_workers):
+            yield images.to(self.device), labels.to(self.device), indices.to(self.device)
+
+
 def build_image_loader(path: str | Path, image_size: int, batch_size: int, *, device: torch.device | str = "cpu",
                        mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-                       num_workers: int = 2, canvas_size: int | None = None) -> ImageLoader:
-    """Evaluation loader (k-NN, linear probe) over ALL images of a .beton in dataset order, no augmentation:
-    each whole image stretched to image_size x image_size (via a canvas_size canvas, default image_size)."""
+                       num_workers: int = 2,
+                       canvas_size: int | None = None) -> ImageLoader | TorchvisionImageLoader:
+    """Evaluation loader (k-NN, linear probe) over ALL images in dataset order, no augmentation: each whole
+    image stretched to image_size x image_size. `path` is a .beton (FFCV, via a canvas_size canvas, default
+    image_size) or an image folder with one sub-folder per class (torchvision, for users without FFCV)."""
     if image_size < 1 or batch_size < 1:
         raise ValueError(f"image_size and batch_size must be >= 1, got {image_size} and {batch_size}.")
+    if Path(path).is_dir():
+        return TorchvisionImageLoader(path, image_size, batch_size, device=torch.device(device), mean=mean,
+                                      std=std, num_workers=num_workers)
     return ImageLoader(path, image_size, batch_size, device=torch.device(device), mean=mean, std=std,
                        num_workers=num_workers, canvas_size=canvas_size or image_size)

@@ -36,6 +36,32 @@ def appearance_transform(group: ViewGroup, mean: Sequence[float], std: Sequence[
     ])
 
 
+def open_rgb(path: Path) -> Image.Image:
+    """Decode one image file to RGB, or say which file is unreadable and how to find all such files."""
+    try:
+        with Image.open(path) as file:
+            return file.convert("RGB")
+    except OSError as error:
+        raise OSError(f"Cannot read {path} ({error}); `python -m pretrain.data write` lists every unreadable "
+                      f"image of a folder in OUT.skipped.txt: remove them from the folder.") from error
+
+
+class ImageFolderImages(torch.utils.data.Dataset):
+    """Image folder -> (whole image stretched to image_size x image_size, normalised; label; index): the
+    evaluation input without FFCV, as the FFCV evaluation loader stretches the whole image too."""
+
+    def __init__(self, root: str | Path, image_size: int, mean: Sequence[float], std: Sequence[float]):
+        self.paths, self.labels, self.class_names = list_image_folder(root)
+        self.transform = transforms.Compose([transforms.Resize((image_size, image_size), antialias=True),
+                                             transforms.ToTensor(), transforms.Normalize(mean, std)])
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        return self.transform(open_rgb(self.paths[index])), self.labels[index], index
+
+
 class ImageFolderViews(torch.utils.data.Dataset):
     """Image folder (one sub-folder per class) -> (views per group, boxes per group, label, index)."""
 
@@ -48,12 +74,7 @@ class ImageFolderViews(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int):
-        try:
-            with Image.open(self.paths[index]) as file:
-                image = file.convert("RGB")                     # the one decode of this sample
-        except OSError as error:
-            raise OSError(f"Cannot read {self.paths[index]} ({error}); `python -m pretrain.data write` lists every "
-                          f"unreadable image of a folder in OUT.skipped.txt: remove them from the folder.") from error
+        image = open_rgb(self.paths[index])                     # the one decode of this sample
         width, height = image.size
         group_views, group_boxes = [], []
         for group, appearance in zip(self.groups, self.appearance):
