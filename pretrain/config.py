@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -117,13 +117,13 @@ class ConfigError(ValueError):
     """A configuration the user must fix; the message says what and how."""
 
 
-def _schema_keys(schema: Any, prefix: str = "") -> list[str]:
-    """All dotted key paths of a dataclass schema (list items as `views.0.size`)."""
-    keys = []
+def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """All dotted key paths of a dataclass schema (list items as `views.N.size`)."""
+    keys, defaults = [], schema()
     for f in fields(schema):
         path = f"{prefix}{f.name}"
         keys.append(path)
-        default = getattr(schema() if isinstance(schema, type) else schema, f.name)
+        default = getattr(defaults, f.name)
         if is_dataclass(default):
             keys += _schema_keys(type(default), path + ".")
         elif isinstance(default, list) and default and is_dataclass(default[0]):
@@ -131,12 +131,14 @@ def _schema_keys(schema: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+SCHEMA_KEYS = tuple(_schema_keys(Config))
+
+
 def _check_key(path: str) -> None:
-    known = _schema_keys(Config)
     generic = ".".join("N" if part.isdigit() else part for part in path.split("."))
-    if generic in known:
+    if generic in SCHEMA_KEYS:
         return
-    close = difflib.get_close_matches(generic, known, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(generic, SCHEMA_KEYS, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0].replace('.N.', '.0.')!r}?" if close else ""
     raise ConfigError(f"unknown config key {path!r}{hint} (valid keys are listed in pretrain/config.py)")
 

@@ -1,6 +1,5 @@
 """BatchNorm statistics are averaged across processes before a checkpoint (DeepSpeed never syncs buffers)."""
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -23,13 +22,10 @@ def _worker(rank: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def test_average_buffers_across_two_processes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_average_buffers_across_two_processes(free_port):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, free_port, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = {rank: rest for rank, *rest in (queue.get() for _ in procs)}

@@ -1,7 +1,6 @@
 """The losses against brute-force computations of their paper equations."""
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -59,7 +58,7 @@ def _gathered_worker(rank, port, z_a, z_b, queue):
     dist.destroy_process_group()
 
 
-def test_nt_xent_gathered_negatives_equal_one_big_batch():
+def test_nt_xent_gathered_negatives_equal_one_big_batch(free_port):
     """Two processes with gathered negatives compute exactly the single-process loss of the whole batch,
     and the gradient reaching each process's own embeddings is that of the whole-batch loss."""
     torch.manual_seed(1)
@@ -67,12 +66,9 @@ def test_nt_xent_gathered_negatives_equal_one_big_batch():
     whole_a = z_a.clone().requires_grad_()
     expected = nt_xent_per_sample(whole_a, z_b, 0.3)
     expected.sum().backward()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_gathered_worker, args=(r, port, z_a, z_b, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_gathered_worker, args=(r, free_port, z_a, z_b, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict((r, (l, g)) for r, l, g in (queue.get() for _ in procs))
