@@ -150,8 +150,11 @@ def train(cfg: DictConfig) -> Path:
     monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=cfg.engine.print_every_steps,
                               resumed_step=engine.global_steps if client_state is not None else None)
 
+    saved_step = engine.global_steps
+
     def checkpoint(epoch: int, batch_in_epoch: int) -> None:
-        step = engine.global_steps
+        nonlocal saved_step
+        step = saved_step = engine.global_steps
         save_checkpoint(engine, checkpoint_dir, step,
                         {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step},
                         cfg.engine.keep_checkpoints)
@@ -203,8 +206,8 @@ def train(cfg: DictConfig) -> Path:
             if engine.global_steps >= stop_step:
                 break
             tick = time.perf_counter()
-        else:
-            if not cfg.engine.checkpoint_every_steps or engine.global_steps % cfg.engine.checkpoint_every_steps:
+        else:   # the epoch ran out: its end is always a checkpoint
+            if engine.global_steps != saved_step:
                 checkpoint(epoch, batch_index)
         epoch, start_batch = epoch + 1, 0
 
