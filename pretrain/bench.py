@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import resource
 import sys
 import time
@@ -156,13 +157,15 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
     method = build_method(cfg)
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
     engine, _, _, _ = deepspeed.initialize(model=method, optimizer=optimizer, config=deepspeed_config(cfg, False))
-    group = views_to_draw(cfg)[0]
-    views = torch.randn(cfg.data.batch_size, group.count, 3, group.size, group.size)
-    boxes = torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(cfg.data.batch_size, group.count, 4)
+    batch = cfg.data.batch_size
+    groups = views_to_draw(cfg)
+    views = [torch.randn(batch, g.count, 3, g.size, g.size) for g in groups]
+    boxes = [torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(batch, g.count, 4) for g in groups]
+    labels = torch.arange(batch) % 10
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()
-        train_step(engine, method, views, boxes, cfg.hvs)
+        train_step(engine, method, views, boxes, labels, cfg.hvs, random.Random(step))
         times.append(time.perf_counter() - start)
     return float(np.median(times[warmup:]))
 
@@ -173,26 +176,27 @@ def run_hvs_benchmark(args: argparse.Namespace) -> dict:
 
     init_distributed()
     rows = []
-    for method in args.methods:
-        common = [f"method.name={method}", f"data.batch_size={args.batch_size}", f"data.views.0.size={args.size}"]
+    for config in args.configs:
+        method = load_config(config).method.name
+        common = [f"data.batch_size={args.batch_size}", f"data.views.0.size={args.size}"]
         if method == "simsiam":
             common += ["model.proj_out_dim=512", "model.pred_hidden_dim=128"]
         variants = [("N=2, no selection", ["hvs.enabled=false"]),
-                    ("N=4, HVS", ["hvs.enabled=true", "hvs.num_views=4"]),
+                    ("N=4, HVS", ["hvs.enabled=true", "hvs.num_views=[4]"]),
                     (f"N=4, HVS, selection at {args.size // 2} px",
-                     ["hvs.enabled=true", "hvs.num_views=4", f"hvs.selection_size={args.size // 2}"])]
+                     ["hvs.enabled=true", "hvs.num_views=[4]", f"hvs.selection_size={args.size // 2}"])]
         baseline = None
         for name, overrides in variants:
-            cfg = load_config(args.config, common + overrides)
+            cfg = load_config(config, common + overrides)
             seconds = time_train_steps(cfg, args.steps, args.warmup)
             baseline = baseline or seconds
             rows.append({"method": method, "variant": name, "step_s": seconds, "ratio": seconds / baseline})
-    print(f"\ntraining-step time, {args.config}, batch {args.batch_size}, {args.size} px, "
+    print(f"\ntraining-step time, batch {args.batch_size}, {args.size} px, "
           f"median of {args.steps} steps ({torch.get_num_threads()} threads)")
     print(f"{'method':<9}{'variant':<34}{'step (s)':>10}{'x N=2':>8}")
     for row in rows:
         print(f"{row['method']:<9}{row['variant']:<34}{row['step_s']:>10.3f}{row['ratio']:>8.2f}")
-    result = {"config": args.config, "batch_size": args.batch_size, "size": args.size, "rows": rows}
+    result = {"configs": args.configs, "batch_size": args.batch_size, "size": args.size, "rows": rows}
     return result
 
 
@@ -201,8 +205,8 @@ def add_hvs_command(commands) -> None:
         "hvs", help="training-step time with hard view selection (N=4) over without (N=2), same batch",
         description="Times the real training step (DeepSpeed engine, method, selection pass) on fixed random "
                     "views, with and without hard view selection, and prints the ratio measured in one run.")
-    parser.add_argument("--config", default="configs/pretrain/simclr_digits.yaml", help="base config")
-    parser.add_argument("--methods", nargs="+", default=["simclr", "simsiam"], help="methods to time")
+    parser.add_argument("--configs", nargs="+", help="pair-method configs to time (one view group of 2)",
+                        default=["configs/pretrain/simclr_digits.yaml", "configs/pretrain/simsiam_digits.yaml"])
     parser.add_argument("--batch-size", type=int, default=128, help="images per step")
     parser.add_argument("--size", type=int, default=16, help="view side in pixels")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")

@@ -82,10 +82,11 @@ def check_resumable(saved_config_path: Path, cfg: DictConfig) -> None:
 def export_backbone(module: nn.Module, path: Path, cfg: DictConfig, epoch: int, step: int) -> None:
     """Write {arch, stem, state_dict, config, epoch, step} for the evaluation and transfer stages.
 
+    The backbone is the method's `backbone_to_export()` (DINO: the teacher's, unless method.export=student).
     Every rank must call this (ZeRO-3 gathers the partitioned parameters); rank 0 writes the file,
     atomically, so a reader never sees half a file.
     """
-    backbone = module.backbone
+    backbone = module.backbone_to_export()
     with deepspeed.zero.GatheredParameters(list(backbone.parameters()), modifier_rank=None):
         if dist.get_rank() == 0:
             state = {name: (t.float() if t.is_floating_point() else t).detach().cpu().clone()

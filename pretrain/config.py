@@ -10,10 +10,10 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
@@ -45,19 +45,16 @@ class ModelConfig:
 
 
 @dataclass
-class MethodConfig:
-    name: str = "simclr"                     # simclr | simsiam
-    temperature: float = 0.2                 # SimCLR NT-Xent temperature
-    gather_negatives: bool = True            # SimCLR: negatives from every process, not only the local batch
-    fix_pred_lr: bool = True                 # SimSiam: predictor keeps the base lr (no cosine decay)
-
-
-@dataclass
 class HVSConfig:
     enabled: bool = False
-    num_views: int = 4                       # N views drawn per image; N(N-1)/2 pairs are scored
-    mode: str = "hard"                       # hard: train on the highest-loss pair; easy: the lowest (App. F.2)
+    # Views drawn per image, one entry per data.views group (the pool); every combination that takes each
+    # group's `count` views from its pool is a candidate. SimCLR: [4] gives the 6 pairs of 4 views.
+    num_views: list[int] = field(default_factory=lambda: [4])
+    mode: str = "hard"                       # hard: train on the highest-loss combination; easy: the lowest (App. F.2)
     selection_size: Optional[int] = None     # run the selection forward at this resolution (None: full size)
+    # Score at most this many candidates per step, drawn at random (without repeats) when there are more;
+    # 0 means no cap: every candidate is scored (DINO with pools [2, 2, 16] and 8 locals has 51,480).
+    max_candidates: int = 128
 
 
 @dataclass
@@ -96,7 +93,8 @@ class Config:
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
+    # The `method.*` keys are the `Options` dataclass of pretrain/methods/NAME.py for method.name=NAME.
+    method: Any = None
     hvs: HVSConfig = field(default_factory=HVSConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -105,7 +103,6 @@ class Config:
 CHOICES = {
     "data.backend": ("ffcv", "torchvision"),
     "model.stem": ("imagenet", "small", "small_stride2"),
-    "method.name": ("simclr", "simsiam"),
     "hvs.mode": ("hard", "easy"),
     "optim.name": ("sgd", "lars", "adamw"),
     "optim.lr_scaling": ("linear", "sqrt", "none"),
@@ -131,46 +128,80 @@ def _schema_keys(schema: type, prefix: str = "") -> list[str]:
     return keys
 
 
-SCHEMA_KEYS = tuple(_schema_keys(Config))
+SCHEMA_KEYS = tuple(_schema_keys(Config))   # without method.*: those depend on method.name
+DEFAULT_METHOD = "simclr"
 
 
-def _check_key(path: str) -> None:
+def method_options(name: str) -> type:
+    """The `Options` dataclass (the `method.*` keys) of method `name`."""
+    from pretrain.methods import available_methods, method_module
+
+    module = method_module(name)
+    if module is None:
+        raise ConfigError(f"method.name={name!r} is not one of {tuple(available_methods())} "
+                          "(one file each in pretrain/methods/)")
+    return module.Options
+
+
+def _check_key(path: str, keys: tuple[str, ...]) -> None:
     generic = ".".join("N" if part.isdigit() else part for part in path.split("."))
-    if generic in SCHEMA_KEYS:
+    if generic in keys:
         return
-    close = difflib.get_close_matches(generic, SCHEMA_KEYS, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(generic, keys, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0].replace('.N.', '.0.')!r}?" if close else ""
-    raise ConfigError(f"unknown config key {path!r}{hint} (valid keys are listed in pretrain/config.py)")
+    where = "pretrain/config.py, and method.* in the method's Options in pretrain/methods/"
+    raise ConfigError(f"unknown config key {path!r}{hint} (valid keys are listed in {where})")
 
 
-def _check_tree(tree: dict, prefix: str = "") -> None:
+def _check_tree(tree: dict, keys: tuple[str, ...], prefix: str = "") -> None:
     for key, value in tree.items():
         path = f"{prefix}{key}"
-        _check_key(path)
+        _check_key(path, keys)
         if isinstance(value, dict):
-            _check_tree(value, path + ".")
+            _check_tree(value, keys, path + ".")
         elif isinstance(value, list) and value and isinstance(value[0], dict):
             for i, item in enumerate(value):
-                _check_tree(item, f"{path}.{i}.")
+                _check_tree(item, keys, f"{path}.{i}.")
+
+
+def _parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
+    parsed = []
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override {override!r} is not of the form key=value (e.g. hvs.enabled=true)")
+        key, text = override.split("=", 1)
+        parsed.append((key, yaml.safe_load(text)))
+    return parsed
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfig:
-    """Schema defaults <- YAML file <- `key=value` overrides (values parsed as YAML: 5, 0.1, true, [1, 2])."""
+    """Schema defaults <- YAML file <- `key=value` overrides (values parsed as YAML: 5, 0.1, true, [1, 2]).
+
+    The method is chosen first (`method.name` from the overrides, else the file, else simclr), because
+    its `Options` define which `method.*` keys exist.
+    """
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; configs live in configs/pretrain/")
+        tree = yaml.safe_load(path.read_text()) or {}
+    parsed = _parse_overrides(list(overrides))
+    name = (tree.get("method") or {}).get("name", DEFAULT_METHOD)
+    name = next((value for key, value in reversed(parsed) if key == "method.name"), name)
+    options = method_options(str(name))
+    keys = SCHEMA_KEYS + tuple(_schema_keys(options, "method."))
     cfg = OmegaConf.structured(Config)
+    cfg.method = OmegaConf.structured(options)
     try:
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist; configs live in configs/pretrain/")
-            tree = yaml.safe_load(path.read_text()) or {}
-            _check_tree(tree)
-            cfg = OmegaConf.merge(cfg, tree)
-        for override in overrides:
-            if "=" not in override:
-                raise ConfigError(f"override {override!r} is not of the form key=value (e.g. hvs.enabled=true)")
-            key, text = override.split("=", 1)
-            _check_key(key)
-            OmegaConf.update(cfg, key, yaml.safe_load(text), merge=False)
+        _check_tree(tree, keys)
+        cfg = OmegaConf.merge(cfg, tree)
+        for key, value in parsed:
+            _check_key(key, keys)
+            node = OmegaConf.select(cfg, key)
+            if isinstance(node, ListConfig) and not isinstance(value, list):
+                raise ConfigError(f"{key} is a list; write {key}=[{value}]")
+            OmegaConf.update(cfg, key, value, merge=False)
     except OmegaConfBaseException as error:
         raise ConfigError(f"invalid config value: {error}") from None
     validate(cfg)
@@ -178,14 +209,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
 
 
 def validate(cfg: DictConfig) -> None:
-    """Checks that types alone cannot express."""
+    """Checks that types alone cannot express (and the method's own, `METHOD.check_config`)."""
+    from pretrain.methods import method_module
+
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {allowed}")
-    if cfg.hvs.enabled and cfg.hvs.num_views < 3:
-        raise ConfigError(f"hvs.num_views={cfg.hvs.num_views}: hard view selection needs at least 3 views "
-                          "to choose a pair from (the paper uses 4)")
     if not 0 <= cfg.engine.zero_stage <= 3:
         raise ConfigError(f"engine.zero_stage={cfg.engine.zero_stage} must be 0, 1, 2 or 3")
     if cfg.optim.grad_accum < 1 or cfg.data.batch_size < 1:
@@ -194,17 +224,29 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("optim.name=lars needs whole per-layer parameters, but ZeRO stage "
                           f"{cfg.engine.zero_stage} flattens them into partitions; use engine.zero_stage=0 "
                           "with LARS, or optim.name=sgd / adamw with ZeRO")
-    if len(cfg.data.views) != 1:
-        raise ConfigError(f"{cfg.method.name} trains on one view group; data.views has {len(cfg.data.views)}")
+    if not cfg.data.views or any(group.count < 1 for group in cfg.data.views):
+        raise ConfigError("data.views needs at least one view group, each with count >= 1")
+    method_module(cfg.method.name).METHOD.check_config(cfg)
+    if cfg.hvs.enabled:
+        pool, counts = list(cfg.hvs.num_views), [group.count for group in cfg.data.views]
+        if len(pool) != len(counts) or any(n < c for n, c in zip(pool, counts)):
+            raise ConfigError(f"hvs.num_views={pool} must give, for each of the {len(counts)} data.views groups, "
+                              f"a pool at least as large as its count {counts}")
+        if all(n == c for n, c in zip(pool, counts)):
+            raise ConfigError(f"hvs.num_views={pool} equals the views trained on {counts}, which leaves one "
+                              "combination to choose from; draw more views (the paper uses 4 for pairs)")
+        if cfg.hvs.max_candidates < 0:
+            raise ConfigError(f"hvs.max_candidates={cfg.hvs.max_candidates} must be >= 0 (0: no cap)")
 
 
 def views_to_draw(cfg: DictConfig) -> list[ViewGroup]:
-    """The view groups the loader draws: with hard view selection the pair group becomes N views."""
+    """The view groups the loader draws: with hard view selection, each group's pool (hvs.num_views)."""
     groups = [ViewGroup(**{key: tuple(value) if isinstance(value, list) else value
                            for key, value in OmegaConf.to_container(group).items()})
               for group in cfg.data.views]
     if cfg.hvs.enabled:
-        groups[0].count = cfg.hvs.num_views
+        for group, pool in zip(groups, cfg.hvs.num_views):
+            group.count = pool
     return groups
 
 

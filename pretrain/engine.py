@@ -27,6 +27,7 @@ from pretrain.config import ConfigError, run_dir_of, views_to_draw
 from pretrain.data.loader import build_view_loader
 from pretrain.hvs import Selection, select_hard_views
 from pretrain.methods import build_method
+from pretrain.methods.base import Method
 from pretrain.monitor import TrainingMonitor
 from pretrain.optim import build_optimizer, cosine_schedule, scaled_lr, set_schedule_values
 
@@ -63,18 +64,20 @@ def deepspeed_config(cfg: DictConfig, bf16: bool) -> dict:
     return ds
 
 
-def train_step(engine, method: nn.Module, views: torch.Tensor, boxes: torch.Tensor,
-               hvs: DictConfig) -> tuple[torch.Tensor, Selection | None]:
+def train_step(engine, method: Method, views: list[torch.Tensor], boxes: list[torch.Tensor], labels: torch.Tensor,
+               hvs: DictConfig, rng: random.Random) -> tuple[torch.Tensor, Selection | None]:
     """One micro-step: (hard view selection) -> forward -> loss -> backward -> optimizer step.
 
-    views: (B, N, C, H, W) with boxes (B, N, 4); without selection N is the method's own view count.
+    views: the loader's view groups, (B, n_g, C, H_g, W_g) each, with boxes (B, n_g, 4); with selection
+    every group holds its pool (hvs.num_views), without it the method's own view counts.
     """
     selection = None
     if hvs.enabled:
-        selection = select_hard_views(engine, method, views, boxes, hvs.mode, hvs.selection_size)
+        selection = select_hard_views(engine, method, views, boxes, labels, method.train_counts, hvs.mode,
+                                      hvs.selection_size, hvs.max_candidates, rng)
         views = selection.views
     outputs = {name: tensor.float() for name, tensor in engine(views).items()}
-    loss = method.loss(outputs)
+    loss = method.loss(outputs, labels)
     engine.backward(loss)
     engine.step()   # DeepSpeed steps the optimizer at the end of each gradient-accumulation cycle
     return loss.detach(), selection
@@ -117,7 +120,7 @@ def train(cfg: DictConfig) -> Path:
                          f"epoch, fewer than optim.grad_accum={cfg.optim.grad_accum}; lower data.batch_size")
 
     # ==== method (backbone + heads + loss) ====
-    method = build_method(cfg)
+    method = build_method(cfg, len(loader) // cfg.optim.grad_accum)
     if device.type == "cuda" and world_size > 1 and cfg.engine.sync_batchnorm:
         method = nn.SyncBatchNorm.convert_sync_batchnorm(method)  # never on CPU: it raises there
 
@@ -139,6 +142,7 @@ def train(cfg: DictConfig) -> Path:
     client_state = resume_if_possible(engine, checkpoint_dir)
     if client_state is not None:
         start_epoch, start_batch = client_state["epoch"], client_state["batch_in_epoch"]
+        method.load_state_outside_engine(client_state.get("method", {}))
         if start_batch >= len(loader):
             start_epoch, start_batch = start_epoch + 1, 0
         if rank == 0:
@@ -156,7 +160,8 @@ def train(cfg: DictConfig) -> Path:
         nonlocal saved_step
         step = saved_step = engine.global_steps
         save_checkpoint(engine, checkpoint_dir, step,
-                        {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step},
+                        {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step,
+                         "method": method.state_outside_engine()},
                         cfg.engine.keep_checkpoints)
         export_backbone(engine.module, run_dir / "backbone.pth", cfg, epoch, step)
 
@@ -170,8 +175,10 @@ def train(cfg: DictConfig) -> Path:
         for batch in loader.epoch(epoch, start_batch=start_batch):
             step = engine.global_steps
             waited += time.perf_counter() - tick
-            set_schedule_values(optimizer, lr_schedule[step], wd_schedule[step], peak_lr)
-            loss, selection = train_step(engine, method, batch.views[0].to(dtype), batch.boxes[0], cfg.hvs)
+            set_schedule_values(optimizer, lr_schedule[step], wd_schedule[step], peak_lr, step)
+            rng = random.Random(f"{cfg.seed}-{rank}-{step}")    # candidate sampling, reproducible on resume
+            loss, selection = train_step(engine, method, [v.to(dtype) for v in batch.views], batch.boxes,
+                                         batch.labels, cfg.hvs, rng)
             batch_index += 1
             images += batch.batch_size * world_size
             if engine.global_steps == step:      # inside a gradient-accumulation cycle
@@ -182,8 +189,13 @@ def train(cfg: DictConfig) -> Path:
             # ---- logging ----
             if step % cfg.engine.log_every_steps == 0 or engine.global_steps == stop_step:
                 elapsed = time.perf_counter() - window_start
-                dist.all_reduce(loss)
-                scalars = {"train/loss": loss.item() / world_size, "train/lr": float(lr_schedule[step]),
+                method_scalars = method.scalars()
+                reduced = torch.stack([loss.float(), *[torch.tensor(v, device=device, dtype=torch.float32)
+                                                        for v in method_scalars.values()]])
+                dist.all_reduce(reduced)
+                reduced = (reduced / world_size).tolist()
+                scalars = {"train/loss": reduced[0], **dict(zip(method_scalars, reduced[1:])),
+                           "train/lr": float(lr_schedule[step]),
                            "train/weight_decay": float(wd_schedule[step]),
                            "perf/images_per_s": images / max(elapsed, 1e-9),
                            "perf/data_wait_frac": waited / max(elapsed, 1e-9)}
@@ -197,7 +209,7 @@ def train(cfg: DictConfig) -> Path:
                     step % cfg.engine.image_grid_every_steps == 0:
                 shown = min(8, batch.batch_size)
                 monitor.log_images(engine.global_steps, "hvs/pool", denormalise(batch.views[0][:shown], cfg))
-                monitor.log_images(engine.global_steps, "hvs/selected", denormalise(selection.views[:shown], cfg))
+                monitor.log_images(engine.global_steps, "hvs/selected", denormalise(selection.views[0][:shown], cfg))
 
             # ---- checkpoint ----
             every = cfg.engine.checkpoint_every_steps

@@ -1,12 +1,21 @@
 """Hard view selection (Ferreira et al., "Hard View Selection for Contrastive Learning", sec. 3.2, eq. 2).
 
-Per sample: one no-grad forward of all N views, the per-sample loss of every candidate combination of
-views (for pair methods the N(N-1)/2 pairs), and the hardest combination is what the normal training step
-then trains on. Written once for every method through the method protocol (pretrain/methods/__init__.py).
+Per sample: one no-grad forward of the whole pool of views, the per-sample loss of every candidate
+combination of views, and the hardest combination is what the normal training step then trains on.
+Written once for every method through the method protocol (pretrain/methods/base.py).
+
+A candidate takes, from every view group, as many views as the method trains on (`counts`) out of the
+group's pool: SimCLR with a pool of 4 scores the 6 pairs; TCL with k = 3 of 5 views the 10 triplets; DINO
+with pools [2, 2, 16] and counts [1, 1, 8] one global of each kind and 8 locals, C(16, 8) * 4 = 51,480
+candidates, of which `max_candidates` are scored (HVS sec. 3.3 caps DINO at 128).
 """
 from __future__ import annotations
 
+import math
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import combinations, product
 from typing import Callable
 
 import torch
@@ -19,61 +28,103 @@ from pretrain.data.views import pair_iou
 class Selection:
     """The chosen views of every sample and what the selection saw.
 
-    views: (B, k, C, H, W) chosen views, in combination order.
-    boxes: (B, k, 4) their crop boxes.
-    chosen: (B, k) indices of the chosen views among the N.
-    scores: (B, C) per-sample loss of every candidate combination.
+    views: per group, (B, count_g, C, H_g, W_g) chosen views, in combination order.
+    boxes: per group, (B, count_g, 4) their crop boxes.
+    chosen: (B, k) flat pool indices of the chosen views (group 0's pool first).
+    scores: (B, C) per-sample loss of every scored candidate.
     stats: the hvs/* scalars (means over this process's batch).
     """
 
-    views: torch.Tensor
-    boxes: torch.Tensor
+    views: list[torch.Tensor]
+    boxes: list[torch.Tensor]
     chosen: torch.Tensor
     scores: torch.Tensor
     stats: dict[str, float]
 
 
+def candidate_combinations(counts: Sequence[int], pools: Sequence[int], max_candidates: int = 0,
+                           rng: random.Random | None = None) -> list[tuple[int, ...]]:
+    """Every way to take `counts[g]` of the `pools[g]` views of each group, as flat pool indices.
+
+    max_candidates: if positive and there are more candidates than this, that many distinct ones drawn
+      uniformly at random (with `rng`) without listing them all; 0 means no cap (all are returned).
+    """
+    if max_candidates < 0:
+        raise ValueError(f"max_candidates={max_candidates} must be >= 0 (0: no cap)")
+    offsets = [sum(pools[:g]) for g in range(len(pools))]
+    total = math.prod(math.comb(n, k) for n, k in zip(pools, counts))
+    if max_candidates == 0 or total <= max_candidates:
+        per_group = [[tuple(o + i for i in c) for c in combinations(range(n), k)]
+                     for o, n, k in zip(offsets, pools, counts)]
+        return [sum(parts, ()) for parts in product(*per_group)]
+    rng = rng or random.Random(0)
+    drawn: set[tuple[int, ...]] = set()
+    while len(drawn) < max_candidates:
+        drawn.add(sum((tuple(o + i for i in sorted(rng.sample(range(n), k)))
+                       for o, n, k in zip(offsets, pools, counts)), ()))
+    return sorted(drawn)
+
+
 @torch.no_grad()
-def select_hard_views(forward: Callable[[torch.Tensor], dict], method, views: torch.Tensor,
-                      boxes: torch.Tensor, mode: str = "hard", selection_size: int | None = None) -> Selection:
-    """Choose, per sample, the candidate combination of views with the highest (mode="hard") or lowest
-    (mode="easy", HVS appendix F.2) loss under the current model.
+def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, views: list[torch.Tensor],
+                      boxes: list[torch.Tensor], labels: torch.Tensor, counts: Sequence[int], mode: str = "hard",
+                      selection_size: int | None = None, max_candidates: int = 0,
+                      rng: random.Random | None = None) -> Selection:
+    """Choose, per sample, the candidate combination with the highest (mode="hard") or lowest (mode="easy",
+    HVS appendix F.2) loss under the current model.
 
     Args:
-        forward: the model's forward, e.g. the DeepSpeed engine; called once on all N views.
-        method: provides `candidates(N)` and `sample_loss(outputs, combination) -> (B,)`.
-        views: (B, N, C, H, W) pool of views; boxes: (B, N, 4) their crop boxes (normalised).
-        selection_size: if set, the selection forward runs on views resized to this side (cheaper).
+        forward: the model's forward, e.g. the DeepSpeed engine; called once on the whole pool.
+        method: provides `candidate_losses(outputs, combinations, labels) -> (B, C)` and `iou_views`.
+        views: per group, (B, pool_g, C, H, W) views; boxes: per group, (B, pool_g, 4) their crop boxes.
+        labels: (B,) class labels (-1 unknown), for supervised methods.
+        counts: views per group that one combination takes (the method's training views).
+        selection_size: if set, the selection forward runs on views resized to this side, e.g. 16 for 32 px
+          views (each group keeps its size relative to the largest).
+        max_candidates, rng: see `candidate_combinations`.
     """
     if mode not in ("hard", "easy"):
         raise ValueError(f"hvs.mode={mode!r} must be 'hard' or 'easy'")
-    batch, num_views = views.shape[:2]
+    pools = [v.shape[1] for v in views]
     pool = views
-    if selection_size and selection_size != views.shape[-1]:
-        pool = F.interpolate(views.flatten(0, 1), size=selection_size, mode="bilinear", antialias=True,
-                             align_corners=False).unflatten(0, (batch, num_views))
+    largest = max(v.shape[-1] for v in views)
+    if selection_size and selection_size != largest:
+        pool = [F.interpolate(v.flatten(0, 1), size=max(1, round(v.shape[-1] * selection_size / largest)),
+                              mode="bilinear", antialias=True, align_corners=False).unflatten(0, v.shape[:2])
+                for v in views]
     outputs = {name: tensor.float() for name, tensor in forward(pool).items()}   # scores in fp32 under bf16
-    combinations = method.candidates(num_views)
-    scores = torch.stack([method.sample_loss(outputs, c).float() for c in combinations], dim=1)   # (B, C)
+    candidates = candidate_combinations(counts, pools, max_candidates, rng)
+    scores = method.candidate_losses(outputs, candidates, labels).float()        # (B, C)
     pick = scores.argmax(dim=1) if mode == "hard" else scores.argmin(dim=1)
-    table = torch.tensor(combinations, device=views.device)                                       # (C, k)
-    chosen = table[pick]                                                                          # (B, k)
-    rows = torch.arange(batch, device=views.device)[:, None]
-    stats = selection_stats(scores, pick, boxes, table)
-    return Selection(views=views[rows, chosen], boxes=boxes[rows, chosen], chosen=chosen, scores=scores,
-                     stats=stats)
+    device = views[0].device
+    table = torch.tensor(candidates, device=device)                              # (C, k)
+    chosen = table[pick]                                                          # (B, k)
+    rows = torch.arange(chosen.shape[0], device=device)[:, None]
+    chosen_views, chosen_boxes, start, offset = [], [], 0, 0
+    for v, b, count, size in zip(views, boxes, counts, pools):
+        local = chosen[:, start:start + count] - offset
+        chosen_views.append(v[rows, local])
+        chosen_boxes.append(b[rows, local])
+        start, offset = start + count, offset + size
+    all_boxes = torch.cat(boxes, dim=1)
+    stats = selection_stats(scores, pick, all_boxes, table, method.iou_views)
+    return Selection(views=chosen_views, boxes=chosen_boxes, chosen=chosen, scores=scores, stats=stats)
 
 
-def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tensor,
-                    table: torch.Tensor) -> dict[str, float]:
-    """The scalars of HVS sec. 5.1: loss and IoU of the chosen pair against the mean over all pairs, and the
-    share of samples whose chosen pair is also their lowest-IoU pair (chance: 1 / number of pairs).
+def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tensor, table: torch.Tensor,
+                    iou_views: int | None = None) -> dict[str, float]:
+    """The scalars of HVS sec. 5.1: loss and IoU of the chosen combination against the mean over all
+    candidates, and the share of samples whose chosen combination is also their lowest-IoU one (chance:
+    1 / number of candidates).
 
-    For combinations of more than two views the IoU is that of the first two (e.g. DINO's two globals).
+    The IoU of a combination is the mean IoU over the pairs of its first `iou_views` views (None: all):
+    for pairs the pair's IoU, for DINO that of its two global crops.
     """
     batch = scores.shape[0]
     rows = torch.arange(batch, device=scores.device)
-    ious = pair_iou(boxes[:, table[:, 0]], boxes[:, table[:, 1]])                                 # (B, C)
+    members = table[:, :iou_views] if iou_views else table
+    ious = torch.stack([pair_iou(boxes[:, members[:, a]], boxes[:, members[:, b]])
+                        for a, b in combinations(range(members.shape[1]), 2)]).mean(0)   # (B, C)
     return {
         "hvs/selected_loss": scores[rows, pick].mean().item(),
         "hvs/mean_pair_loss": scores.mean().item(),

@@ -72,9 +72,13 @@ def cosine_schedule(start: float, end: float, total_steps: int, warmup_steps: in
     return np.concatenate([warmup, cosine])
 
 
-def set_schedule_values(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, base_lr: float) -> None:
-    """Apply one step's values; groups flagged `fixed_lr` stay at the base lr (SimSiam's predictor)."""
+def set_schedule_values(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, base_lr: float,
+                        step: int = 0) -> None:
+    """Apply one step's values. Groups flagged `fixed_lr` stay at the base lr (SimSiam's predictor); groups
+    with `frozen_steps` get lr 0 before that step (DINO's last layer in its first epoch)."""
     for group in optimizer.param_groups:
         group["lr"] = base_lr if group.get("fixed_lr") else lr
+        if step < group.get("frozen_steps", 0):
+            group["lr"] = 0.0
         if not group.get("no_decay"):
             group["weight_decay"] = weight_decay

@@ -19,7 +19,7 @@ def test_overrides_are_typed_and_applied():
     cfg = load_config(None, ["hvs.enabled=true", "optim.lr=0.3", "data.views.0.size=64", "hvs.selection_size=16"])
     assert cfg.hvs.enabled is True and cfg.optim.lr == 0.3 and cfg.data.views[0].size == 64
     groups = views_to_draw(cfg)
-    assert groups[0].count == cfg.hvs.num_views == 4 and groups[0].scale == (0.2, 1.0)
+    assert [groups[0].count] == cfg.hvs.num_views == [4] and groups[0].scale == (0.2, 1.0)
 
 
 @pytest.mark.parametrize("override, closest", [("hvs.enabld=true", "hvs.enabled"),
@@ -42,14 +42,27 @@ def test_bad_values_are_refused():
         load_config(None, ["optim.lr=fast"])
     with pytest.raises(ConfigError, match="method.name='byol'"):
         load_config(None, ["method.name=byol"])
-    with pytest.raises(ConfigError, match="hvs.num_views=2"):
-        load_config(None, ["hvs.enabled=true", "hvs.num_views=2"])
+    with pytest.raises(ConfigError, match=r"hvs.num_views=\[2\] equals the views trained on"):
+        load_config(None, ["hvs.enabled=true", "hvs.num_views=[2]"])
+    with pytest.raises(ConfigError, match=r"hvs.num_views is a list; write hvs.num_views=\[4\]"):
+        load_config(None, ["hvs.num_views=4"])
+    with pytest.raises(ConfigError, match=r"hvs.max_candidates=-1"):
+        load_config(None, ["hvs.enabled=true", "hvs.max_candidates=-1"])
     with pytest.raises(ConfigError, match="lars"):
         load_config(None, ["optim.name=lars", "engine.zero_stage=2"])
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["hvs.enabled"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("configs/pretrain/nope.yaml")
+
+
+def test_method_keys_come_from_the_chosen_method():
+    assert load_config(None, ["method.name=simsiam", "method.fix_pred_lr=false"]).method.fix_pred_lr is False
+    # a key of another method is unknown for this one, and the error says so
+    with pytest.raises(ConfigError, match="unknown config key 'method.temperature'"):
+        load_config(None, ["method.name=simsiam", "method.temperature=0.1"])
+    with pytest.raises(ConfigError, match="data.views.0.count=3"):
+        load_config(None, ["data.views.0.count=3"])          # SimCLR trains on pairs
 
 
 def test_cli_reports_config_errors_without_traceback(capsys):

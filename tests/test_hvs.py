@@ -1,24 +1,39 @@
-"""Hard view selection on a hand-made example: planted hardest pairs and the statistics of HVS sec. 5.1."""
+"""Hard view selection on a hand-made example: planted hardest pairs and the statistics of HVS sec. 5.1;
+candidate combinations across view groups and the `hvs.max_candidates` cap."""
+import math
+import random
+from itertools import combinations
+
 import pytest
 import torch
 
-from pretrain.hvs import select_hard_views
-from pretrain.methods.pairs import all_pairs
+from pretrain.hvs import candidate_combinations, select_hard_views
+from pretrain.methods.base import Method
 
 
-class DistanceMethod:
+class DistanceMethod(Method):
     """A method whose per-sample pair loss is the distance between the two views' values."""
 
-    candidates = staticmethod(all_pairs)
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.train_counts = [2]
 
-    @staticmethod
-    def sample_loss(outputs, pair):
+    def sample_loss(self, outputs, pair, labels):
         z = outputs["z"]
         return (z[:, pair[0]] - z[:, pair[1]]).abs().flatten(1).mean(1)
 
 
 def identity_forward(views):
-    return {"z": views}
+    return {"z": torch.cat(views, dim=1)}
+
+
+def all_pairs(n):
+    return list(combinations(range(n), 2))
+
+
+def select(views, boxes, **kwargs):
+    return select_hard_views(identity_forward if "forward" not in kwargs else kwargs.pop("forward"),
+                             DistanceMethod(), [views], [boxes], torch.zeros(len(views)), [2], **kwargs)
 
 
 def box_iou(a, b):
@@ -42,11 +57,11 @@ def planted_batch():
 
 def test_hard_mode_picks_planted_pair_and_stats_are_right():
     views, boxes = planted_batch()
-    selection = select_hard_views(identity_forward, DistanceMethod, views, boxes)
+    selection = select(views, boxes)
     assert selection.chosen.tolist() == [[0, 3], [0, 1]]
-    assert selection.views.shape == (2, 2, 3, 4, 4)
-    assert selection.views[:, :, 0, 0, 0].tolist() == [[0.0, 10.0], [1.0, 7.0]]
-    torch.testing.assert_close(selection.boxes, boxes[[[0], [1]], torch.tensor([[0, 3], [0, 1]])])
+    assert selection.views[0].shape == (2, 2, 3, 4, 4)
+    assert selection.views[0][:, :, 0, 0, 0].tolist() == [[0.0, 10.0], [1.0, 7.0]]
+    torch.testing.assert_close(selection.boxes[0], boxes[[[0], [1]], torch.tensor([[0, 3], [0, 1]])])
 
     pairs = all_pairs(4)
     losses = [[abs(v[a] - v[b]) for a, b in pairs] for v in VALUES]
@@ -62,7 +77,7 @@ def test_hard_mode_picks_planted_pair_and_stats_are_right():
 
 def test_easy_mode_inverts_the_choice():
     views, boxes = planted_batch()
-    selection = select_hard_views(identity_forward, DistanceMethod, views, boxes, mode="easy")
+    selection = select(views, boxes, mode="easy")
     assert selection.chosen.tolist() == [[0, 1], [0, 2]]          # loss 1 for both (first of the ties)
     assert selection.stats["hvs/selected_loss"] == pytest.approx(1.0)
 
@@ -72,19 +87,19 @@ def test_low_resolution_selection_returns_full_size_views():
     seen = []
 
     def forward(pool):
-        seen.append(pool.shape)
-        return {"z": pool}
+        seen.append(pool[0].shape)
+        return {"z": pool[0]}
 
-    selection = select_hard_views(forward, DistanceMethod, views, boxes, selection_size=2)
+    selection = select(views, boxes, forward=forward, selection_size=2)
     assert seen == [(2, 4, 3, 2, 2)]
-    assert selection.views.shape == (2, 2, 3, 4, 4)
+    assert selection.views[0].shape == (2, 2, 3, 4, 4)
     assert selection.chosen.tolist() == [[0, 3], [0, 1]]
 
 
 def test_bad_mode_is_refused():
     views, boxes = planted_batch()
     with pytest.raises(ValueError, match="hvs.mode='hardest'"):
-        select_hard_views(identity_forward, DistanceMethod, views, boxes, mode="hardest")
+        select(views, boxes, mode="hardest")
 
 
 def test_simclr_selection_equals_argmax_of_every_pair_loss():
@@ -96,11 +111,73 @@ def test_simclr_selection_equals_argmax_of_every_pair_loss():
     torch.manual_seed(0)
     method = build_method(cfg).train()
     views, boxes = torch.randn(6, 4, 3, 16, 16), torch.rand(6, 4, 4).sort(dim=-1).values[..., [0, 2, 1, 3]]
-    selection = select_hard_views(method, method, views, boxes)
+    selection = select_hard_views(method, method, [views], [boxes], torch.zeros(6), [2])
     with torch.no_grad():
-        z = method(views)["z"]
+        z = method([views])["z"]
     from pretrain.losses.ntxent import nt_xent_per_sample
     pair_losses = torch.stack([nt_xent_per_sample(z[:, a], z[:, b], cfg.method.temperature)
                                for a, b in all_pairs(4)], dim=1)
     expected = torch.tensor(all_pairs(4))[pair_losses.argmax(1)]
     assert selection.chosen.tolist() == expected.tolist()
+
+
+def test_candidates_take_each_groups_count_from_its_pool():
+    # DINO-like: one of 2 globals of each kind, 2 of 3 locals -> 2 * 2 * 3 = 12 candidates, flat indices
+    candidates = candidate_combinations([1, 1, 2], [2, 2, 3])
+    assert len(candidates) == len(set(candidates)) == 12
+    for a, b, *locals_ in candidates:
+        assert a in (0, 1) and b in (2, 3) and len(locals_) == 2 and set(locals_) <= {4, 5, 6}
+    assert candidate_combinations([2], [4]) == all_pairs(4)
+
+
+def test_max_candidates_caps_by_random_draws_and_zero_means_no_cap():
+    counts, pools = [1, 1, 8], [2, 2, 16]
+    total = 2 * 2 * math.comb(16, 8)                              # 51,480
+    assert len(candidate_combinations(counts, pools, max_candidates=0)) == total   # 0: no cap, all of them
+    capped = candidate_combinations(counts, pools, max_candidates=128, rng=random.Random(1))
+    assert len(capped) == len(set(capped)) == 128                  # distinct
+    for a, b, *locals_ in capped:
+        assert a in (0, 1) and b in (2, 3) and sorted(locals_) == locals_ and set(locals_) <= set(range(4, 20))
+    assert capped != candidate_combinations(counts, pools, max_candidates=128, rng=random.Random(2))
+    # a cap above the number of candidates returns all of them, in order
+    assert candidate_combinations([2], [4], max_candidates=128) == all_pairs(4)
+    with pytest.raises(ValueError, match="max_candidates=-1"):
+        candidate_combinations([2], [4], max_candidates=-1)
+
+
+def test_selection_gathers_each_group_and_scores_only_the_capped_candidates():
+    """Two groups (sizes 4 and 2 px); the method's loss is planted: a global pair and a local chosen."""
+    class PlantedMethod(Method):
+        iou_views = 2
+
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.train_counts = [1, 1, 1]
+
+        def sample_loss(self, outputs, combination, labels):
+            z = outputs["z"]                          # (B, 6): flat values of the views
+            return sum(z[:, i] for i in combination)
+
+    batch = 3
+    values = torch.rand(batch, 6)
+    sizes = [4, 4, 2]
+    pools = [2, 2, 2]
+    views, start = [], 0
+    for size, n in zip(sizes, pools):
+        views.append(values[:, start:start + n, None, None, None].expand(batch, n, 3, size, size).clone())
+        start += n
+    boxes = [torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(batch, n, 4) for n in pools]
+
+    def forward(pool):
+        return {"z": torch.cat([v[:, :, 0, 0, 0] for v in pool], dim=1)}
+
+    selection = select_hard_views(forward, PlantedMethod(), views, boxes, torch.zeros(batch), [1, 1, 1],
+                                  max_candidates=5, rng=random.Random(0))
+    assert selection.scores.shape == (batch, 5)
+    scored = candidate_combinations([1, 1, 1], pools, 5, random.Random(0))
+    best = torch.stack([sum(values[:, i] for i in c) for c in scored], dim=1).argmax(1)
+    assert selection.chosen.tolist() == [list(scored[i]) for i in best.tolist()]
+    for g, (size, v) in enumerate(zip(sizes, selection.views)):
+        assert v.shape == (batch, 1, 3, size, size)
+        torch.testing.assert_close(v[:, 0, 0, 0, 0], values[torch.arange(batch), selection.chosen[:, g]])
+    assert selection.stats["hvs/selected_iou"] == pytest.approx(1.0)

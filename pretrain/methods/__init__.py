@@ -1,25 +1,32 @@
-"""Pretraining methods. Each is an `nn.Module` with one small protocol (shared/DESIGN.md), which is all
-that hard view selection and the training loop need:
+"""Pretraining methods, one per file; the protocol they share is in `pretrain/methods/base.py`.
 
-    forward(views (B, n, C, H, W)) -> outputs       one forward of a stack of views; a dict of (B, n, ...)
-    candidates(num_views) -> [combination, ...]     the view combinations worth scoring (pairs, ...)
-    sample_loss(outputs, combination) -> (B,)       per-sample loss of one combination (selection pass)
-    loss(outputs) -> scalar                         training loss on the chosen views
-    param_groups() -> [dict, ...]                   optimizer groups (flags: no_decay, fixed_lr)
-    after_step(step)                                EMA / queue / centre updates where a method has them
-
-Adding a method: one file here, registered in METHODS, one loss in pretrain/losses/, one config.
+`method.name=NAME` selects `pretrain/methods/NAME.py`: its `Options` dataclass is the `method.*` section
+of the config and its `METHOD` class is the model. Adding a method is that one file (plus, if it brings a
+new loss, one file in `pretrain/losses/`) and a config under `configs/pretrain/`.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from types import ModuleType
+
 from omegaconf import DictConfig
-from torch import nn
 
-from pretrain.methods.simclr import SimCLR
-from pretrain.methods.simsiam import SimSiam
-
-METHODS = {"simclr": SimCLR, "simsiam": SimSiam}
+from pretrain.methods.base import Method
 
 
-def build_method(cfg: DictConfig) -> nn.Module:
-    return METHODS[cfg.method.name](cfg)
+def method_module(name: str) -> ModuleType | None:
+    """The module of method `name`, or None if there is no such method."""
+    if not name.isidentifier() or name not in available_methods():
+        return None
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def available_methods() -> list[str]:
+    """Names of the method files in this package (every module except the protocol)."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__) if info.name != "base")
+
+
+def build_method(cfg: DictConfig, steps_per_epoch: int = 1) -> Method:
+    """The method named by `cfg.method.name`; `steps_per_epoch` sizes its own schedules (DINO's)."""
+    return method_module(cfg.method.name).METHOD(cfg, steps_per_epoch)

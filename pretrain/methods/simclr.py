@@ -5,40 +5,49 @@ loss computed against the other images' views of the same pair, and the highest-
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
 from pretrain.losses.ntxent import nt_xent_per_sample
-from pretrain.methods.pairs import all_pairs, encode_view_stack, split_decay_groups
+from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import create_backbone, mlp
 
 
-class SimCLR(nn.Module):
-    def __init__(self, cfg: DictConfig):
-        super().__init__()
+@dataclass
+class Options:
+    name: str = "simclr"
+    temperature: float = 0.2                 # NT-Xent temperature
+    gather_negatives: bool = True            # negatives from every process, not only the local batch
+
+
+class SimCLR(Method):
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
+        super().__init__(cfg, steps_per_epoch)
         m = cfg.model
         self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
         self.projector = mlp(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers)
         self.temperature = cfg.method.temperature
         self.gather_negatives = cfg.method.gather_negatives
 
-    def forward(self, views: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"z": encode_view_stack(nn.Sequential(self.backbone, self.projector), views)}
+    @staticmethod
+    def check_config(cfg: DictConfig) -> None:
+        require_one_view_group(cfg, 2, 2)
 
-    candidates = staticmethod(all_pairs)
+    def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"z": encode_view_groups(nn.Sequential(self.backbone, self.projector), views)}
 
-    def sample_loss(self, outputs: dict[str, torch.Tensor], pair: tuple[int, int]) -> torch.Tensor:
+    def sample_loss(self, outputs: dict[str, torch.Tensor], pair: Sequence[int], labels: torch.Tensor) -> torch.Tensor:
         # Selection scores use the local batch as negatives: cheap and the same on every process.
-        z = outputs["z"]
-        return nt_xent_per_sample(z[:, pair[0]], z[:, pair[1]], self.temperature)
+        a, b = pair
+        return nt_xent_per_sample(outputs["z"][:, a], outputs["z"][:, b], self.temperature)
 
-    def loss(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         z = outputs["z"]
         return nt_xent_per_sample(z[:, 0], z[:, 1], self.temperature, self.gather_negatives).mean()
 
-    def param_groups(self) -> list[dict]:
-        return split_decay_groups(self)
 
-    def after_step(self, step: int) -> None:
-        pass
+METHOD = SimCLR

@@ -5,18 +5,27 @@ the highest-loss pair. `method.fix_pred_lr` keeps the predictor at the base lear
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
 from pretrain.losses.negative_cosine import negative_cosine_per_sample
-from pretrain.methods.pairs import all_pairs, encode_view_stack, split_decay_groups
+from pretrain.methods.base import Method, encode_view_groups, require_one_view_group, split_decay_groups
 from pretrain.models import create_backbone, mlp
 
 
-class SimSiam(nn.Module):
-    def __init__(self, cfg: DictConfig):
-        super().__init__()
+@dataclass
+class Options:
+    name: str = "simsiam"
+    fix_pred_lr: bool = True                 # the predictor keeps the base lr (no cosine decay)
+
+
+class SimSiam(Method):
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
+        super().__init__(cfg, steps_per_epoch)
         m = cfg.model
         self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
         self.projector = mlp(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers,
@@ -24,24 +33,23 @@ class SimSiam(nn.Module):
         self.predictor = mlp(m.proj_out_dim, m.pred_hidden_dim, m.proj_out_dim, 2)
         self.fix_pred_lr = cfg.method.fix_pred_lr
 
-    def forward(self, views: torch.Tensor) -> dict[str, torch.Tensor]:
-        z = encode_view_stack(nn.Sequential(self.backbone, self.projector), views)
-        p = encode_view_stack(self.predictor, z)
+    @staticmethod
+    def check_config(cfg: DictConfig) -> None:
+        require_one_view_group(cfg, 2, 2)
+
+    def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        z = encode_view_groups(nn.Sequential(self.backbone, self.projector), views)
+        p = self.predictor(z.flatten(0, 1)).unflatten(0, z.shape[:2])
         return {"z": z, "p": p}
 
-    candidates = staticmethod(all_pairs)
-
-    def sample_loss(self, outputs: dict[str, torch.Tensor], pair: tuple[int, int]) -> torch.Tensor:
+    def sample_loss(self, outputs: dict[str, torch.Tensor], pair: Sequence[int], labels: torch.Tensor) -> torch.Tensor:
         z, p = outputs["z"], outputs["p"]
         a, b = pair
         return negative_cosine_per_sample(p[:, a], z[:, a], p[:, b], z[:, b])
-
-    def loss(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.sample_loss(outputs, (0, 1)).mean()
 
     def param_groups(self) -> list[dict]:
         encoder = nn.ModuleList([self.backbone, self.projector])
         return split_decay_groups(encoder) + split_decay_groups(self.predictor, fixed_lr=self.fix_pred_lr)
 
-    def after_step(self, step: int) -> None:
-        pass
+
+METHOD = SimSiam

@@ -1,0 +1,120 @@
+"""The method protocol: all that the training loop and hard view selection need from a method.
+
+A method is one file in this package, `pretrain/methods/NAME.py`, that defines
+
+    @dataclass class Options        its `method.*` config keys (with `name: str = "NAME"`) and defaults
+    class NAME(Method)              the model: backbone, heads, loss
+    METHOD = NAME                   what `build_method` instantiates when `method.name=NAME`
+
+Views arrive as the loader's view groups, a list of (B, n_g, C, H_g, W_g) tensors (SimCLR: one group of 2;
+DINO: two 1-view global groups and one group of L locals). Inside a method every view has a *flat index*:
+group 0's views first, then group 1's, and so on. A *combination* is a tuple of flat indices that takes
+`count` views from every group, in group order; hard view selection scores combinations drawn from a
+larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen one, whose flat indices are
+`0 .. k-1` again.
+
+    forward(views) -> outputs                 one forward of all views; a dict of (B, n_total, ...) tensors
+    sample_loss(outputs, combination, labels) -> (B,)   per-sample loss of one combination
+    candidate_losses(outputs, combinations, labels) -> (B, C)   all candidates (override to share work)
+    loss(outputs, labels) -> scalar           the training loss on the chosen views
+    param_groups() -> [dict, ...]             optimizer groups; flags: no_decay, fixed_lr, frozen_steps
+    after_step(step)                          EMA teacher / queue updates, once per optimizer step
+    scalars() -> {name: float}                method-specific values to log (e.g. tcl/grad_pos)
+    state_outside_engine() / load_state_outside_engine(state)   what DeepSpeed does not checkpoint
+    backbone_to_export() -> nn.Module         the backbone that eval / transfer read
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+
+class Method(nn.Module):
+    """Defaults for the optional parts of the protocol; subclasses define forward and sample_loss."""
+
+    # Hard view selection logs the IoU of a combination as the mean IoU over pairs of its first
+    # `iou_views` views (None: all of them). DINO sets 2: the IoU of its two global crops.
+    iou_views: int | None = None
+
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
+        super().__init__()
+        self.train_counts = [group.count for group in cfg.data.views]
+
+    @staticmethod
+    def check_config(cfg: DictConfig) -> None:
+        """Raise pretrain.config.ConfigError for settings this method cannot train with."""
+
+    def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def sample_loss(self, outputs: dict[str, torch.Tensor], combination: Sequence[int],
+                    labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def candidate_losses(self, outputs: dict[str, torch.Tensor], combinations: Sequence[Sequence[int]],
+                         labels: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.sample_loss(outputs, c, labels) for c in combinations], dim=1)
+
+    def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        return self.sample_loss(outputs, range(sum(self.train_counts)), labels).mean()
+
+    def param_groups(self) -> list[dict]:
+        return split_decay_groups(self)
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def scalars(self) -> dict[str, float]:
+        return {}
+
+    def state_outside_engine(self) -> dict:
+        return {}
+
+    def load_state_outside_engine(self, state: dict) -> None:
+        pass
+
+    def backbone_to_export(self) -> nn.Module:
+        return self.backbone
+
+
+def split_decay_groups(module: nn.Module, **flags) -> list[dict]:
+    """Weights in one group; biases and normalisation parameters (1-D) in a `no_decay` group."""
+    decay = [p for p in module.parameters() if p.ndim > 1]
+    no_decay = [p for p in module.parameters() if p.ndim <= 1]
+    return [{"params": decay, **flags}, {"params": no_decay, "no_decay": True, **flags}]
+
+
+def encode_view_groups(encoder: nn.Module, views: list[torch.Tensor]) -> torch.Tensor:
+    """[(B, n_g, C, H_g, W_g), ...] -> (B, sum n_g, D) in flat view order.
+
+    Consecutive groups of the same resolution go through the encoder in one call (DINO's globals, then its
+    locals), so BatchNorm sees them as one batch.
+    """
+    batch = views[0].shape[0]
+    runs: list[list[torch.Tensor]] = []
+    for group in views:
+        if runs and runs[-1][0].shape[-2:] == group.shape[-2:]:
+            runs[-1].append(group)
+        else:
+            runs.append([group])
+    encoded = []
+    for run in runs:
+        stack = torch.cat(run, dim=1)
+        encoded.append(encoder(stack.flatten(0, 1)).unflatten(0, (batch, stack.shape[1])))
+    return torch.cat(encoded, dim=1)
+
+
+def require_one_view_group(cfg: DictConfig, min_count: int = 2, max_count: int | None = None) -> None:
+    """For methods that train on views of one kind: one view group, with `min_count`..`max_count` views."""
+    from pretrain.config import ConfigError
+
+    name, views = cfg.method.name, cfg.data.views
+    if len(views) != 1:
+        raise ConfigError(f"method.name={name} trains on one view group, but data.views has {len(views)}")
+    count = views[0].count
+    if count < min_count or (max_count is not None and count > max_count):
+        wanted = f"{min_count}" if max_count == min_count else f"at least {min_count}"
+        raise ConfigError(f"method.name={name} trains on {wanted} views per image; data.views.0.count={count}")
