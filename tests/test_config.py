@@ -75,3 +75,20 @@ def test_cli_refuses_a_missing_beton_and_says_how_to_write_it(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "data.train='nope.beton' does not exist" in err and "python -m pretrain.data write" in err
     assert not (tmp_path / "run").exists()          # nothing is created for a run that cannot start
+
+
+def test_every_method_file_is_a_method_with_its_own_options():
+    """Adding a method is one file: it is found by name, and its Options are the method.* keys."""
+    from dataclasses import fields
+
+    from pretrain.config import SCHEMA_KEYS
+    from pretrain.methods import available_methods, method_module
+    from pretrain.methods.base import Method
+
+    names = available_methods()
+    assert {"simclr", "simsiam"} <= set(names)
+    for name in names:
+        module = method_module(name)
+        assert issubclass(module.METHOD, Method) and module.Options().name == name
+        assert not any(key.startswith("method.") for key in SCHEMA_KEYS)
+        assert "name" in {f.name for f in fields(module.Options)}

@@ -1,0 +1,114 @@
+"""TCL (Animesh & Chandraker, "Tuned Contrastive Learning"): backbone + MLP projector, the TCL loss between the
+k >= 2 views of each image (eqs. 9-11), self-supervised (the paper: k = 3, positive triplets) or supervised
+(method.supervised=true: views of images of the same class are positives too).
+
+With hard view selection the engine draws N views per image (hvs.num_views=[N]), scores every k-subset by
+its per-sample loss against the other images' views at the same positions, and trains on the hardest.
+
+`scalars()` logs the paper's Figure-3 quantities of the last training batch: tcl/grad_pos, the mean hard-
+positive gradient coefficient |X_ip - P_ip + Y_ip| (eq. 17), and tcl/grad_neg, the mean P_in (eq. 16).
+SupCon (pretrain/methods/supcon.py) is this method with the SupCon loss and logs its own (Lemma 1) values
+under the same names, so the runs' curves overlay as in Figure 3.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from pretrain.losses.tcl import tcl_gradient_means, tcl_per_sample
+from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
+from pretrain.models import create_backbone, mlp
+
+
+@dataclass
+class Options:
+    name: str = "tcl"
+    temperature: float = 0.1                 # t of eqs. 9-11
+    k1: float = 5000.0                       # weight of the positives' exp(-z_i.z_p) term (>= 1, Theorem 1)
+    k2: float = 1.0                          # weight of the negatives' term (>= 1, Theorem 2)
+    supervised: bool = False                 # positives include the views of same-label images (needs labels)
+    gather_negatives: bool = True            # contrast with every process's views, not only the local batch
+
+
+def check_views_and_temperature(cfg: DictConfig) -> None:
+    """One view group of k >= 2 views and a positive temperature (TCL and SupCon)."""
+    from pretrain.config import ConfigError
+
+    require_one_view_group(cfg, 2)
+    if cfg.method.temperature <= 0:
+        raise ConfigError(f"method.temperature={cfg.method.temperature} must be positive (the paper uses 0.1)")
+
+
+class TCL(Method):
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
+        super().__init__(cfg, steps_per_epoch)
+        m = cfg.model
+        self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
+        self.projector = mlp(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers)
+        self.options = OmegaConf.to_object(cfg.method)      # this method's Options
+        self.gradient_means: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def check_config(cfg: DictConfig) -> None:
+        from pretrain.config import ConfigError
+
+        check_views_and_temperature(cfg)
+        for key in ("k1", "k2"):
+            value = cfg.method[key]
+            if not value >= 1:
+                raise ConfigError(f"method.{key}={value} must be >= 1: TCL's eq. 11 requires k1, k2 >= 1 (its "
+                                  "Theorems 1 and 2 rely on it); the default is k1=5000, k2=1")
+
+    # ---- the loss: SupCon overrides these two ----
+    def per_sample(self, z: torch.Tensor, labels: torch.Tensor | None, gather_negatives: bool) -> torch.Tensor:
+        o = self.options
+        return tcl_per_sample(z, labels, o.temperature, o.k1, o.k2, gather_negatives)
+
+    def figure3_means(self, z: torch.Tensor, labels: torch.Tensor | None,
+                      gather_negatives: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.options
+        return tcl_gradient_means(z, labels, o.temperature, o.k1, o.k2, gather_negatives)
+
+    # ---- the method protocol ----
+    def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Normalised in fp32: under bf16 the loss still sees unit vectors.
+        z = encode_view_groups(nn.Sequential(self.backbone, self.projector), views)
+        return {"z": F.normalize(z.float(), dim=-1)}
+
+    def sample_loss(self, outputs: dict[str, torch.Tensor], combination: Sequence[int],
+                    labels: torch.Tensor) -> torch.Tensor:
+        # Selection scores use the local batch's views at the same positions: cheap, the same on every process.
+        return self.per_sample(outputs["z"][:, list(combination)], self.class_labels(labels), False)
+
+    def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        z, labels = outputs["z"], self.class_labels(labels)
+        gather = self.options.gather_negatives
+        self.gradient_means = self.figure3_means(z.detach(), labels, gather)
+        return self.per_sample(z, labels, gather).mean()
+
+    def scalars(self) -> dict[str, float]:
+        if self.gradient_means is None:
+            return {}
+        grad_pos, grad_neg = self.gradient_means
+        return {"tcl/grad_pos": grad_pos.item(), "tcl/grad_neg": grad_neg.item()}
+
+    def class_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """The labels the loss uses: None when self-supervised; refused when supervised but unknown (-1)."""
+        if not self.options.supervised:
+            return None
+        if (labels < 0).any():
+            from pretrain.config import ConfigError
+
+            raise ConfigError(f"method.name={self.options.name} with method.supervised=true needs class labels, but "
+                              "this batch has label -1 (unknown): write the .beton from an image folder with one "
+                              "sub-folder per class (python -m pretrain.data write --image-folder DIR --out FILE), "
+                              "or set method.supervised=false")
+        return labels
+
+
+METHOD = TCL
