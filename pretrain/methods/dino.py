@@ -1,0 +1,313 @@
+"""DINO (Caron et al., ICCV 2021): self-distillation with no labels, multi-crop, an EMA teacher and centring.
+
+The student (backbone + DINO head) sees every crop, the teacher (an exponential moving average of the
+student) only the two global crops; the loss is the cross-entropy between the centred, sharpened teacher
+and the student over every (teacher view, other student view) pair (`pretrain/losses/dino.py`).
+
+Views: `data.views` group 0 and group 1 are the two global crop types (count 1 each; DINO's first global
+crop is always blurred, the second blurred with p 0.1 and solarised with p 0.2), every further group holds
+local crops. With hard view selection (HVS sec. 3.3) the groups hold pools, e.g. hvs.num_views=[2, 2, 16],
+and a candidate is one global of each type plus the locals; at most `hvs.max_candidates` (128) are scored,
+all from one cross-entropy table (`candidate_losses`).
+
+The teacher and the centre live outside the nn.Module registry (`self.__dict__`), in fp32: DeepSpeed never
+wraps, shards, casts or checkpoints them. They travel in the checkpoint's client state
+(`state_outside_engine`) and are updated once per optimizer step (`after_step`).
+
+Differences from facebookresearch/dino, main_dino.py, worth knowing:
+- gradient clipping is DeepSpeed's global-norm clipping (`optim.grad_clip`); DINO clips every parameter's
+  gradient norm on its own (`utils.clip_gradients`);
+- the last layer is frozen in the first epoch(s) by a learning rate of 0 (`frozen_steps`), not by dropping
+  its gradients (see `param_groups`);
+- schedules are per optimizer step (DINO's teacher temperature is per epoch);
+- the ViT student has no stochastic depth (Table 7's drop_path_rate 0.1): `create_backbone` takes no rate.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
+from pretrain.methods.base import Method, encode_view_groups, split_decay_groups
+from pretrain.models import create_backbone
+from pretrain.optim import cosine_schedule
+
+NUM_GLOBAL_GROUPS = 2   # data.views groups 0 and 1: the teacher's views
+
+
+@dataclass
+class Options:
+    name: str = "dino"
+    out_dim: int = 65536                     # prototypes K of the last layer
+    norm_last_layer: bool = True             # last layer's rows kept at norm 1 (no trainable magnitude)
+    use_bn_in_head: bool = False             # BatchNorm after the hidden layers of the head (ResNets)
+    student_temp: float = 0.1
+    teacher_temp: float = 0.04               # after the warm-up
+    warmup_teacher_temp: float = 0.04        # at step 0, linearly to teacher_temp
+    warmup_teacher_temp_epochs: float = 0.0
+    momentum_teacher: float = 0.996          # EMA momentum at step 0, cosine to 1 at the end of the run
+    center_momentum: float = 0.9
+    freeze_last_layer_epochs: float = 1.0    # the last layer's lr is 0 during these first epochs
+    export: str = "teacher"                  # backbone written to backbone.pth: teacher | student
+
+
+class WeightNormLinear(nn.Module):
+    """Linear layer without bias whose rows are `magnitude * direction / ||direction||` (weight
+    normalisation, Salimans & Kingma 2016), as DINO's `nn.utils.weight_norm` last layer.
+
+    Written as one module with its own parameters, not torch's parametrizations (which keep them in a
+    sub-module): DeepSpeed ZeRO-3 gathers a module's own parameters before its forward. With
+    `learn_magnitude=False` (DINO's norm_last_layer) the magnitude is fixed to 1 and is no parameter at all.
+    The magnitude starts at 1, as DINO's `weight_g.data.fill_(1)`.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, learn_magnitude: bool):
+        super().__init__()
+        self.direction = nn.Parameter(nn.Linear(in_dim, out_dim, bias=False).weight.detach().clone())
+        if learn_magnitude:
+            self.magnitude = nn.Parameter(torch.ones(out_dim, 1))   # (out, 1) as DINO's weight_g
+        else:
+            self.register_parameter("magnitude", None)
+
+    def normalised_weight(self) -> torch.Tensor:
+        weight = F.normalize(self.direction, dim=1)
+        return weight if self.magnitude is None else weight * self.magnitude
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.normalised_weight())
+
+
+class DINOHead(nn.Module):
+    """MLP (Linear [-BN] -GELU blocks, then a linear bottleneck), L2 normalisation, weight-normalised
+    linear layer to the K prototypes (DINO's `DINOHead`)."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, bottleneck_dim: int, out_dim: int, num_layers: int,
+                 use_bn: bool, norm_last_layer: bool):
+        super().__init__()
+        layers: list[nn.Module] = []
+        dim = in_dim
+        for _ in range(num_layers - 1):
+            layers += [nn.Linear(dim, hidden_dim), *([nn.BatchNorm1d(hidden_dim)] if use_bn else []), nn.GELU()]
+            dim = hidden_dim
+        layers.append(nn.Linear(dim, bottleneck_dim))
+        self.mlp = nn.Sequential(*layers)
+        for layer in self.mlp:
+            if isinstance(layer, nn.Linear):
+                nn.init.trunc_normal_(layer.weight, std=0.02)
+                nn.init.zeros_(layer.bias)
+        self.last_layer = WeightNormLinear(bottleneck_dim, out_dim, learn_magnitude=not norm_last_layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last_layer(F.normalize(self.mlp(x), dim=-1))
+
+
+def teacher_temp_schedule(warmup_temp: float, temp: float, warmup_steps: int, total_steps: int) -> np.ndarray:
+    """Per optimizer step: linear from `warmup_temp` to `temp` over `warmup_steps` (both ends included, as
+    DINO's per-epoch `np.linspace`), then `temp`."""
+    warmup_steps = min(warmup_steps, total_steps)
+    return np.concatenate([np.linspace(warmup_temp, temp, warmup_steps), np.full(total_steps - warmup_steps, temp)])
+
+
+def value_at(schedule: np.ndarray, step: int) -> float:
+    """`schedule[step]`, clamped to its ends (a run may stop early or be resumed with more epochs)."""
+    return float(schedule[min(max(step, 0), len(schedule) - 1)])
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class DINO(Method):
+    iou_views = 2   # HVS logs the IoU of the two chosen global crops
+
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
+        super().__init__(cfg, steps_per_epoch)
+        m, o = cfg.model, cfg.method
+        self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
+        self.head = DINOHead(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, o.out_dim,
+                             m.proj_layers, o.use_bn_in_head, o.norm_last_layer)
+        self.student_temp = o.student_temp
+        self.center_momentum = o.center_momentum
+        self.export = o.export
+        self.sync_batchnorm = cfg.engine.sync_batchnorm
+
+        # Outside the module registry (see the module docstring): fp32, no gradients.
+        teacher = copy.deepcopy(nn.ModuleDict({"backbone": self.backbone, "head": self.head})).float()
+        self.__dict__["teacher"] = teacher.requires_grad_(False)
+        self.__dict__["center"] = torch.zeros(o.out_dim)
+        self.__dict__["teacher_entropy"] = torch.tensor(float("nan"))
+        self.steps_done = 0             # optimizer steps taken: indexes the schedules
+        self.teacher_placed = False     # moved to the views' device and made equal on every rank
+
+        # ==== schedules, indexed by optimizer step ====
+        total_steps = max(1, cfg.optim.epochs * steps_per_epoch)
+        self.momentum_schedule = cosine_schedule(o.momentum_teacher, 1.0, total_steps)
+        self.teacher_temp_schedule = teacher_temp_schedule(
+            o.warmup_teacher_temp, o.teacher_temp, round(o.warmup_teacher_temp_epochs * steps_per_epoch), total_steps)
+        self.frozen_steps = round(o.freeze_last_layer_epochs * steps_per_epoch)
+
+    @staticmethod
+    def check_config(cfg: DictConfig) -> None:
+        from pretrain.config import ConfigError
+
+        o, views = cfg.method, cfg.data.views
+        if len(views) < NUM_GLOBAL_GROUPS or views[0].count != 1 or views[1].count != 1:
+            layout = [group.count for group in views]
+            raise ConfigError(
+                f"method.name=dino needs data.views = two global crop groups of count 1, then local crop groups; "
+                f"got counts {layout}. Write e.g. data.views: [{{count: 1, size: 224, scale: [0.4, 1.0], "
+                "blur_p: 1.0}, {count: 1, size: 224, scale: [0.4, 1.0], blur_p: 0.1, solarize_p: 0.2}, "
+                "{count: 8, size: 96, scale: [0.05, 0.4], blur_p: 0.5}] (with hard view selection, the pools "
+                "go in hvs.num_views, e.g. [2, 2, 16])")
+        if o.export not in ("teacher", "student"):
+            raise ConfigError(f"method.export={o.export!r} is not one of ('teacher', 'student'); DINO evaluates "
+                              "the teacher's backbone")
+        if min(o.student_temp, o.teacher_temp, o.warmup_teacher_temp) <= 0:
+            raise ConfigError(f"method.student_temp, teacher_temp and warmup_teacher_temp must be positive "
+                              f"(got {o.student_temp}, {o.teacher_temp}, {o.warmup_teacher_temp}; DINO: 0.1, 0.04)")
+        for key in ("momentum_teacher", "center_momentum"):
+            if not 0 <= o[key] <= 1:
+                raise ConfigError(f"method.{key}={o[key]} must lie in [0, 1] (DINO: 0.996 and 0.9)")
+        if o.out_dim < 1 or cfg.model.proj_layers < 1:
+            raise ConfigError(f"method.out_dim={o.out_dim} and model.proj_layers={cfg.model.proj_layers} "
+                              "must be at least 1 (DINO: 65536 and 3)")
+        if min(o.warmup_teacher_temp_epochs, o.freeze_last_layer_epochs) < 0:
+            raise ConfigError("method.warmup_teacher_temp_epochs and method.freeze_last_layer_epochs must be >= 0")
+
+    # ==== teacher ====
+    def teacher_on(self, device: torch.device) -> nn.ModuleDict:
+        """The teacher on `device`; the first time, also the same on every rank (rank 0's) and, on GPUs with
+        several processes, with SyncBatchNorm as the student (DINO converts both)."""
+        teacher = self.teacher
+        if not self.teacher_placed:
+            teacher.to(device)
+            self.__dict__["center"] = self.center.to(device)
+            if world_size() > 1:
+                for tensor in teacher.state_dict().values():
+                    dist.broadcast(tensor, src=0)
+                if device.type == "cuda" and self.sync_batchnorm:
+                    self.__dict__["teacher"] = teacher = nn.SyncBatchNorm.convert_sync_batchnorm(teacher)
+            self.teacher_placed = True
+        return teacher
+
+    def teacher_temp(self) -> float:
+        """Teacher temperature of the step being taken."""
+        return value_at(self.teacher_temp_schedule, self.steps_done)
+
+    # ==== forward and losses ====
+    def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        features = encode_view_groups(self.backbone, views)               # one backbone call per resolution
+        student = self.head(features.flatten(0, 1)).unflatten(0, features.shape[:2])
+        teacher = self.teacher_on(views[0].device)
+        teacher.train(self.training)
+        with torch.no_grad():
+            features = encode_view_groups(teacher["backbone"], [v.float() for v in views[:NUM_GLOBAL_GROUPS]])
+            logits = teacher["head"](features.flatten(0, 1)).unflatten(0, features.shape[:2])
+        return {"student": student, "teacher": logits}
+
+    def sample_loss(self, outputs: dict[str, torch.Tensor], combination: Sequence[int],
+                    labels: torch.Tensor) -> torch.Tensor:
+        # The globals' flat indices (groups 0 and 1 come first) are also their rows of outputs["teacher"].
+        combination = list(combination)
+        student = outputs["student"][:, combination]
+        teacher = outputs["teacher"][:, combination[:NUM_GLOBAL_GROUPS]]
+        return dino_loss_per_sample(student, teacher, self.center.to(student.device), self.student_temp,
+                                    self.teacher_temp())
+
+    def candidate_losses(self, outputs: dict[str, torch.Tensor], combinations: Sequence[Sequence[int]],
+                         labels: torch.Tensor) -> torch.Tensor:
+        """All candidates from one (B, teacher pool, student pool) cross-entropy table."""
+        student = outputs["student"]
+        table = dino_cross_entropy_table(student, outputs["teacher"], self.center.to(student.device),
+                                         self.student_temp, self.teacher_temp())
+        combos = torch.as_tensor(combinations, device=student.device)                       # (C, k)
+        k = combos.shape[1]
+        terms = [(a, b) for a in range(NUM_GLOBAL_GROUPS) for b in range(k) if b != a]      # DINOLoss's pairs
+        teacher_index = combos[:, [a for a, _ in terms]]                                    # (C, P)
+        student_index = combos[:, [b for _, b in terms]]
+        return table[:, teacher_index, student_index].mean(dim=-1)                          # (B, C)
+
+    def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        loss = super().loss(outputs, labels)
+        self.update_center(outputs["teacher"][:, :NUM_GLOBAL_GROUPS].detach())
+        return loss
+
+    @torch.no_grad()
+    def update_center(self, teacher_logits: torch.Tensor) -> None:
+        """c <- m c + (1 - m) mean of the teacher logits over the global batch (DINO's `update_center`);
+        also keeps the entropy of the centred, sharpened teacher distribution (collapse to one prototype
+        drives it to 0, collapse to the uniform distribution to log K)."""
+        teacher_logits = teacher_logits.float()
+        center = self.center.to(teacher_logits.device)
+        log_probs = F.log_softmax((teacher_logits - center) / self.teacher_temp(), dim=-1)
+        self.__dict__["teacher_entropy"] = -(log_probs.exp() * log_probs).sum(-1).mean()
+        total = teacher_logits.sum(dim=(0, 1))
+        if world_size() > 1:
+            dist.all_reduce(total)
+        batch_center = total / (teacher_logits.shape[0] * teacher_logits.shape[1] * world_size())
+        self.__dict__["center"] = center * self.center_momentum + batch_center * (1 - self.center_momentum)
+
+    # ==== once per optimizer step ====
+    @torch.no_grad()
+    def after_step(self, step: int) -> None:
+        """EMA teacher <- m teacher + (1 - m) student with m of the step just taken (step - 1)."""
+        import deepspeed
+
+        self.steps_done = step
+        momentum = self.teacher_momentum()
+        student = [*self.backbone.parameters(), *self.head.parameters()]
+        teacher = [*self.teacher["backbone"].parameters(), *self.teacher["head"].parameters()]
+        # ZeRO-3 partitions the student's parameters: gather them (a no-op for stages 0-2).
+        with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
+            for s, t in zip(student, teacher, strict=True):
+                t.mul_(momentum).add_(s.detach().to(device=t.device, dtype=torch.float32), alpha=1 - momentum)
+
+    def teacher_momentum(self) -> float:
+        """EMA momentum of the last step taken (of the first step before any)."""
+        return value_at(self.momentum_schedule, self.steps_done - 1)
+
+    def param_groups(self) -> list[dict]:
+        # The last layer gets lr 0 for its first `frozen_steps` (DINO: `cancel_gradients_last_layer`). Unlike
+        # DINO, which drops those gradients, the optimizer still sees them: AdamW / SGD momentum accumulate
+        # them (and the global-norm clipping counts them), so the first unfrozen updates carry that history.
+        body = nn.ModuleList([self.backbone, self.head.mlp])
+        groups = split_decay_groups(body) + split_decay_groups(self.head.last_layer, frozen_steps=self.frozen_steps)
+        return [group for group in groups if group["params"]]
+
+    def scalars(self) -> dict[str, float]:
+        # The values of the step just taken, as the engine logs that step's lr.
+        return {"dino/teacher_temp": value_at(self.teacher_temp_schedule, self.steps_done - 1),
+                "dino/teacher_momentum": self.teacher_momentum(),
+                "dino/teacher_entropy": float(self.teacher_entropy)}
+
+    # ==== checkpoint and export ====
+    def state_outside_engine(self) -> dict:
+        """Teacher, centre and step counter for the checkpoint's client state. Called on every rank: the
+        teacher's BatchNorm statistics (updated by its own forwards, per rank) are averaged first, as
+        save_checkpoint does for the student, so that rank 0's export is the mean teacher."""
+        from pretrain.checkpoint import average_buffers
+
+        average_buffers(self.teacher)
+        return {"teacher": {name: t.detach().cpu().clone() for name, t in self.teacher.state_dict().items()},
+                "center": self.center.detach().cpu().clone(), "steps_done": self.steps_done}
+
+    def load_state_outside_engine(self, state: dict) -> None:
+        if not state:
+            return
+        self.teacher.load_state_dict(state["teacher"])
+        self.__dict__["center"] = state["center"].to(self.center.device)
+        self.steps_done = int(state["steps_done"])
+
+    def backbone_to_export(self) -> nn.Module:
+        return self.backbone if self.export == "student" else self.teacher["backbone"]
+
+
+METHOD = DINO

@@ -1,0 +1,421 @@
+"""DINO: the loss against brute force, hard view selection through one cross-entropy table, the EMA teacher
+after a real DeepSpeed step under ZeRO 0 / 2 / 3 in two processes, the all-reduced centre, the frozen last
+layer, the schedules, and a whole `python -m pretrain` run with selection, export and resume.
+
+Run as a script (`torchrun --nproc-per-node 2 tests/test_dino.py OUT_DIR`), this file is the worker of the
+two-process tests.
+"""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.config import ConfigError, load_config
+from pretrain.hvs import candidate_combinations, select_hard_views
+from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
+from pretrain.methods import build_method
+from pretrain.methods.base import Method
+from pretrain.optim import build_optimizer, set_schedule_values
+
+ROOT = Path(__file__).parents[1]
+CONFIG = ROOT / "configs/pretrain/dino_digits.yaml"
+TINY = ["data.batch_size=8", "data.num_workers=1", "model.proj_hidden_dim=32", "model.proj_out_dim=16",
+        "method.out_dim=64", "engine.image_grid_every_steps=0"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: one thread is as fast as two, and many times faster when another process
+    shares the two cores (two threads then wait on each other at every operation)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(*overrides: str):
+    return load_config(CONFIG, [*TINY, *overrides])
+
+
+def random_views(batch: int, pools=(1, 1, 4), generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    sizes = [16, 16] + [8] * (len(pools) - 2)
+    return [torch.randn(batch, n, 3, s, s, generator=generator) for n, s in zip(pools, sizes)]
+
+
+def random_boxes(views: list[torch.Tensor], generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    boxes = []
+    for v in views:
+        corner = torch.rand(v.shape[0], v.shape[1], 2, generator=generator) * 0.5
+        boxes.append(torch.cat([corner, corner + 0.5], dim=-1))
+    return boxes
+
+
+# ==== the loss ====
+
+def test_cross_entropy_table_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    # logits of the size a normalised head gives (|l| < ~1), so that float32 keeps 5 digits
+    student, teacher, center = (0.3 * torch.randn(3, 5, 7, generator=g), 0.1 * torch.randn(3, 2, 7, generator=g),
+                                0.1 * torch.randn(7, generator=g))
+    table = dino_cross_entropy_table(student, teacher, center, 0.1, 0.04)
+    assert table.shape == (3, 2, 5)
+    for b in range(3):
+        for i in range(2):
+            for j in range(5):
+                t = [math.exp((teacher[b, i, k] - center[k]).item() / 0.04) for k in range(7)]
+                s = [math.exp(student[b, j, k].item() / 0.1) for k in range(7)]
+                expected = -sum(t[k] / sum(t) * math.log(s[k] / sum(s)) for k in range(7))
+                assert table[b, i, j].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_loss_per_sample_is_dinoloss_without_the_batch_mean():
+    g = torch.Generator().manual_seed(1)
+    batch, views, k = 4, 6, 11
+    student, teacher = torch.randn(batch, views, k, generator=g), torch.randn(batch, 2, k, generator=g)
+    center = torch.randn(k, generator=g)
+    loss = dino_loss_per_sample(student, teacher, center, 0.1, 0.05)
+    # facebookresearch/dino DINOLoss.forward, per sample: skip v == iq, divide by the number of terms.
+    q = torch.softmax((teacher - center) / 0.05, dim=-1)
+    for b in range(batch):
+        total, terms = 0.0, 0
+        for iq in range(2):
+            for v in range(views):
+                if v == iq:
+                    continue
+                total += torch.sum(-q[b, iq] * torch.log_softmax(student[b, v] / 0.1, dim=-1)).item()
+                terms += 1
+        assert terms == 10 and loss[b].item() == pytest.approx(total / terms, rel=1e-5)
+
+
+def test_loss_needs_no_gradient_of_the_teacher():
+    student, teacher = torch.randn(2, 3, 5, requires_grad=True), torch.randn(2, 2, 5, requires_grad=True)
+    dino_loss_per_sample(student, teacher, torch.zeros(5), 0.1, 0.04).sum().backward()
+    assert student.grad is not None and teacher.grad is None
+
+
+@pytest.mark.parametrize("student, teacher, center, temps, match", [
+    ((2, 3, 5), (2, 2, 5), (5,), (0.0, 0.04), "must be positive"),
+    ((2, 3, 5), (2, 2, 5), (5,), (0.1, -1.0), "must be positive"),
+    ((2, 5), (2, 2, 5), (5,), (0.1, 0.04), r"\(B, S, K\)"),
+    ((2, 3, 5), (3, 2, 5), (5,), (0.1, 0.04), "must agree"),
+    ((2, 3, 5), (2, 2, 4), (5,), (0.1, 0.04), "must agree"),
+    ((2, 3, 5), (2, 2, 5), (4,), (0.1, 0.04), r"center must be a \(K,\)"),
+    ((2, 1, 5), (2, 2, 5), (5,), (0.1, 0.04), "2 teacher views but only 1 student"),
+])
+def test_loss_rejects_bad_shapes_and_temperatures(student, teacher, center, temps, match):
+    with pytest.raises(ValueError, match=match):
+        dino_loss_per_sample(torch.zeros(student), torch.zeros(teacher), torch.zeros(center), *temps)
+
+
+# ==== the method ====
+
+def test_teacher_lives_outside_the_module_and_is_exported_unless_student():
+    method = build_method(tiny_config())
+    assert not any(name.startswith("teacher") for name in method.state_dict())
+    assert all(p.requires_grad is False for p in method.teacher.parameters())
+    assert {id(p) for p in method.teacher.parameters()}.isdisjoint(id(p) for p in method.parameters())
+    student = dict(method.backbone.named_parameters())
+    for name, p in method.teacher["backbone"].named_parameters():     # a copy: equal values, own storage
+        assert torch.equal(p, student[name]) and p.data_ptr() != student[name].data_ptr()
+    assert method.backbone_to_export() is method.teacher["backbone"]
+    assert build_method(tiny_config("method.export=student")).backbone_to_export() is not None
+    exported = build_method(tiny_config("method.export=student"))
+    assert exported.backbone_to_export() is exported.backbone
+
+
+def test_head_last_layer_is_weight_normalised():
+    method = build_method(tiny_config())
+    last = method.head.last_layer
+    assert [name for name, _ in last.named_parameters()] == ["direction"]          # norm_last_layer: g fixed to 1
+    assert torch.allclose(last.normalised_weight().norm(dim=1), torch.ones(64))
+    free = build_method(tiny_config("method.norm_last_layer=false")).head.last_layer
+    with torch.no_grad():
+        free.magnitude.uniform_(0.5, 2.0)
+    expected = free.magnitude * free.direction / free.direction.norm(dim=1, keepdim=True)
+    assert torch.allclose(free.normalised_weight(), expected)
+    x = torch.randn(3, 16)
+    assert torch.allclose(free(x), x @ expected.T, atol=1e-6)
+
+
+def test_forward_gives_student_on_all_views_and_teacher_on_the_globals():
+    method = build_method(tiny_config())
+    outputs = method(random_views(4, (2, 2, 5)))                 # an HVS pool
+    assert outputs["student"].shape == (4, 9, 64) and outputs["teacher"].shape == (4, 4, 64)
+    assert outputs["student"].requires_grad and not outputs["teacher"].requires_grad
+
+
+def test_candidate_losses_equal_the_loop_over_sample_loss():
+    method = build_method(tiny_config())
+    method.center = torch.randn(64) * 0.1
+    g = torch.Generator().manual_seed(2)
+    outputs = {"student": torch.randn(5, 10, 64, generator=g), "teacher": torch.randn(5, 4, 64, generator=g)}
+    combinations = candidate_combinations([1, 1, 4], [2, 2, 6])                 # 2 * 2 * 15 = 60
+    fast = method.candidate_losses(outputs, combinations, torch.zeros(5))
+    loop = Method.candidate_losses(method, outputs, combinations, torch.zeros(5))
+    assert fast.shape == (5, 60) and torch.allclose(fast, loop, atol=1e-5)
+    capped = candidate_combinations([1, 1, 4], [2, 2, 6], max_candidates=16, rng=random.Random(0))
+    assert torch.allclose(method.candidate_losses(outputs, capped, None),
+                          Method.candidate_losses(method, outputs, capped, None), atol=1e-5)
+
+
+def test_training_loss_is_the_sample_loss_of_the_chosen_combination_then_the_centre_moves():
+    method = build_method(tiny_config()).eval()                  # running BN statistics: per-sample outputs
+    g = torch.Generator().manual_seed(3)
+    views = random_views(6, (2, 2, 6), g)
+    selection = select_hard_views(method, method, views, random_boxes(views, g), torch.zeros(6), method.train_counts)
+    assert selection.chosen.shape == (6, 6)
+    assert selection.stats["hvs/selected_loss"] >= selection.stats["hvs/mean_pair_loss"]
+    with torch.no_grad():
+        pool_outputs = method(views)
+        expected = torch.stack([method.sample_loss(pool_outputs, selection.chosen[b].tolist(), None)[b]
+                                for b in range(6)]).mean()
+        outputs = method(selection.views)
+    center_before = method.center.clone()
+    loss = method.loss(outputs, torch.zeros(6))
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(selection.scores.max(dim=1).values.mean().item(), rel=1e-5)
+    batch_center = outputs["teacher"].mean(dim=(0, 1))
+    assert torch.allclose(method.center, 0.9 * center_before + 0.1 * batch_center, atol=1e-6)
+    entropy = method.scalars()["dino/teacher_entropy"]
+    assert 0 < entropy <= math.log(64) + 1e-4
+
+
+def test_last_layer_frozen_for_its_steps_then_trained():
+    cfg = tiny_config("method.freeze_last_layer_epochs=1", "optim.name=adamw", "optim.lr=0.01")
+    method = build_method(cfg, steps_per_epoch=2)                # frozen for the first 2 steps
+    groups = method.param_groups()
+    frozen = [g for g in groups if g.get("frozen_steps")]
+    assert all(g["frozen_steps"] == 2 for g in frozen)
+    assert {id(p) for g in frozen for p in g["params"]} == {id(p) for p in method.head.last_layer.parameters()}
+    assert sorted(id(p) for g in groups for p in g["params"]) == sorted(id(p) for p in method.parameters())
+    optimizer = build_optimizer(cfg, groups, 0.01)
+    last, first_conv = method.head.last_layer.direction, method.backbone.conv1.weight
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        before_last, before_conv = last.detach().clone(), first_conv.detach().clone()
+        set_schedule_values(optimizer, 0.01, 0.04, 0.01, step)
+        loss = method.loss(method(random_views(4, generator=g)), None)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        method.after_step(step + 1)
+        assert not torch.equal(first_conv, before_conv)
+        assert torch.equal(last, before_last) == (step < 2), step
+
+
+def test_schedules_of_teacher_momentum_and_temperature():
+    cfg = tiny_config("optim.epochs=10", "method.momentum_teacher=0.99", "method.teacher_temp=0.07",
+                      "method.warmup_teacher_temp=0.04", "method.warmup_teacher_temp_epochs=3")
+    method = build_method(cfg, steps_per_epoch=5)
+    momentum, temp = method.momentum_schedule, method.teacher_temp_schedule
+    assert len(momentum) == len(temp) == 50
+    assert momentum[0] == pytest.approx(0.99) and momentum[-1] == pytest.approx(1.0, abs=1e-5)
+    assert np.all(np.diff(momentum) >= 0)
+    assert momentum[25] == pytest.approx(0.995, abs=1e-4)                   # half-way on the cosine
+    assert temp[0] == pytest.approx(0.04) and temp[14] == pytest.approx(0.07)  # 15 warm-up steps, ends included
+    assert np.allclose(np.diff(temp[:15]), 0.03 / 14) and np.all(temp[14:] == 0.07)
+    method.after_step(1)
+    assert method.scalars()["dino/teacher_momentum"] == pytest.approx(0.99)
+    assert method.teacher_temp() == pytest.approx(temp[1])
+    method.after_step(50)                                                    # the last step
+    assert method.scalars()["dino/teacher_momentum"] == pytest.approx(momentum[-1])
+    assert method.scalars()["dino/teacher_temp"] == pytest.approx(0.07)
+
+
+def test_state_outside_engine_round_trip():
+    source, target = build_method(tiny_config()), build_method(tiny_config("seed=1"))
+    with torch.no_grad():
+        for p in source.teacher.parameters():
+            p.add_(1.0)
+    source.center, source.steps_done = torch.randn(64), 7
+    target.load_state_outside_engine(source.state_outside_engine())
+    for (name, a), b in zip(source.teacher.state_dict().items(), target.teacher.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(target.center, source.center) and target.steps_done == 7
+    target.load_state_outside_engine({})                                     # a run saved before DINO: no-op
+    assert target.steps_done == 7
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["data.views.0.count=2"], r"two global crop groups of count 1, then local crop groups; got counts \[2, 1, 4\]"),
+    (["data.views.1.count=4"], "Write e.g. data.views"),
+    (["method.export=bogus"], "method.export='bogus' is not one of"),
+    (["method.teacher_temp=0"], "must be positive"),
+    (["method.momentum_teacher=1.5"], r"must lie in \[0, 1\]"),
+])
+def test_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(CONFIG, overrides)
+
+
+def test_config_with_one_view_group_is_refused(tmp_path):
+    config = tmp_path / "one_group.yaml"
+    config.write_text("method: {name: dino}\ndata: {views: [{count: 2, size: 16}]}\n")
+    with pytest.raises(ConfigError, match=r"got counts \[2\]. Write e.g. data.views"):
+        load_config(config)
+
+
+# ==== two processes: EMA after a DeepSpeed step under ZeRO 0 / 2 / 3, the all-reduced centre ====
+
+def two_process_worker(out_dir: Path) -> None:
+    """Per stage: one DeepSpeed training step, then the EMA, checked against the gathered student; then the
+    centre from different per-rank batches. Each rank writes what it measured to OUT_DIR/rankR.json."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from pretrain.engine import deepspeed_config, init_distributed, train_step
+
+    rank, world, _ = init_distributed()
+    results = {}
+    for stage in (0, 2, 3):
+        cfg = tiny_config(f"engine.zero_stage={stage}", "data.batch_size=4", "optim.name=adamw", "optim.lr=0.01",
+                          "optim.epochs=2", "optim.grad_clip=1.0", "method.momentum_teacher=0.9",
+                          "method.freeze_last_layer_epochs=1")
+        torch.manual_seed(0)
+        method = build_method(cfg, steps_per_epoch=2)
+        optimizer = build_optimizer(cfg, method.param_groups(), 0.01)
+        engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
+                                                       config=deepspeed_config(cfg, bf16=False))
+        student = [*method.backbone.parameters(), *method.head.parameters()]
+        with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
+            student_before = [p.detach().float().clone() for p in student]
+        teacher = [*method.teacher["backbone"].parameters(), *method.teacher["head"].parameters()]
+        teacher_before = [p.clone() for p in teacher]
+        g = torch.Generator().manual_seed(100 + rank)                    # each rank its own batch
+        views = random_views(4, generator=g)
+        set_schedule_values(optimizer, 0.01, 0.04, 0.01, 0)
+        train_step(engine, method, views, random_boxes(views, g), torch.zeros(4, dtype=torch.long), cfg.hvs,
+                   random.Random(0))
+        method.after_step(engine.global_steps)
+        m = float(method.momentum_schedule[0])
+        with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
+            student_after = [p.detach().float().clone() for p in student]
+        teacher_after = [*method.teacher["backbone"].parameters(), *method.teacher["head"].parameters()]
+        ema_error = max((t - (m * t0 + (1 - m) * s)).abs().max().item()
+                        for t, t0, s in zip(teacher_after, teacher_before, student_after))
+        moved = max((s - s0).abs().max().item() for s, s0 in zip(student_after, student_before))
+        last = next(i for i, p in enumerate(student) if p is method.head.last_layer.direction)
+        checksum = torch.tensor([sum(t.double().sum().item() for t in teacher_after)])
+        sums = [torch.zeros(1, dtype=torch.double) for _ in range(world)]
+        dist.all_gather(sums, checksum.double())
+        results[f"stage{stage}"] = {
+            "global_steps": engine.global_steps, "ema_error": ema_error, "student_moved": moved,
+            "teacher_moved": max((t - t0).abs().max().item() for t, t0 in zip(teacher_after, teacher_before)),
+            "last_layer_moved": (student_after[last] - student_before[last]).abs().max().item(),
+            "teacher_rank_spread": (max(sums) - min(sums)).item()}
+        del engine, optimizer
+
+    # The centre: every rank's batch differs; both must get the update of the concatenated batch.
+    method = build_method(tiny_config())
+    method.center = torch.full((64,), 0.5)
+    batches = [{"student": torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(200 + r)),
+                "teacher": torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(300 + r)) + r}
+               for r in range(world)]
+    method.loss(batches[rank], None)
+    expected = 0.9 * 0.5 + 0.1 * torch.cat([b["teacher"] for b in batches]).mean(dim=(0, 1))
+    results["center_error"] = (method.center - expected).abs().max().item()
+    local_only = 0.9 * 0.5 + 0.1 * batches[rank]["teacher"].mean(dim=(0, 1))
+    results["center_if_local"] = (method.center - local_only).abs().max().item()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("dino_two_processes")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(Path(__file__)), str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_teacher_is_the_ema_of_the_student_after_a_deepspeed_step(two_process_results, stage):
+    for rank in two_process_results:
+        r = rank[f"stage{stage}"]
+        assert r["global_steps"] == 1
+        assert r["student_moved"] > 1e-4 and r["teacher_moved"] > 1e-5         # a real step, a real EMA
+        assert r["ema_error"] < 1e-6                                           # teacher = m t0 + (1 - m) s
+        assert r["last_layer_moved"] == 0.0                                    # frozen in the first epoch
+        assert r["teacher_rank_spread"] == 0.0                                 # the same teacher on both ranks
+
+
+def test_centre_is_all_reduced_over_the_processes(two_process_results):
+    for rank in two_process_results:
+        assert rank["center_error"] < 1e-6
+        assert rank["center_if_local"] > 1e-3                                  # the batches did differ
+
+
+# ==== a whole run: selection, logging, export of the teacher, resume ====
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    from pretrain.data.digits import write_digits
+
+    out = tmp_path_factory.mktemp("digits")
+    write_digits(out)
+    return out
+
+
+def pretrain(run_dir: Path, digits: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pretrain", "--config", str(CONFIG), f"run_dir={run_dir}",
+               f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}", *TINY,
+               "data.batch_size=16", "hvs.enabled=true", "engine.checkpoint_every_steps=1",
+               "engine.keep_checkpoints=10", "method.momentum_teacher=0.5", "optim.warmup_epochs=0",
+               "optim.lr=0.01", *overrides]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def saved_state(run_dir: Path, step: int) -> dict:
+    return torch.load(run_dir / f"checkpoints/step{step:08d}/mp_rank_00_model_states.pt", weights_only=False)
+
+
+def test_run_with_hard_view_selection_exports_the_teacher_and_resumes_it(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    pretrain(run_dir, digits, "engine.max_steps=3")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        assert {"dino/teacher_temp", "dino/teacher_momentum", "dino/teacher_entropy", "hvs/selected_iou",
+                "hvs/lowest_iou_chosen_frac"} <= set(line)
+        assert line["hvs/selected_loss"] >= line["hvs/mean_pair_loss"] - 1e-6
+        assert 0 < line["dino/teacher_entropy"] <= math.log(64) + 1e-4
+
+    # backbone.pth is the teacher's backbone of the last checkpoint, not the student's.
+    export = torch.load(run_dir / "backbone.pth", weights_only=True)
+    state = saved_state(run_dir, 3)
+    teacher, student = state["method"]["teacher"], state["module"]
+    assert export["step"] == 3 and state["method"]["steps_done"] == 3
+    for name, tensor in export["state_dict"].items():
+        assert torch.equal(tensor, teacher[f"backbone.{name}"]), name
+    assert not torch.equal(export["state_dict"]["conv1.weight"], student["backbone.conv1.weight"])
+
+    # Resume: the teacher of step 3 goes on, so step 4's teacher is the EMA of it and step 4's student.
+    second = pretrain(run_dir, digits, "engine.max_steps=5")
+    assert f"resumed {run_dir} at step 3" in second.stdout
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    m = lines[3]["dino/teacher_momentum"]
+    step4 = saved_state(run_dir, 4)
+    assert step4["method"]["steps_done"] == 4
+    for name, value in step4["method"]["teacher"].items():
+        if "running" in name or "num_batches" in name:          # BatchNorm statistics: the teacher's own
+            continue
+        expected = m * teacher[name] + (1 - m) * step4["module"][name].float()
+        assert torch.allclose(value, expected, atol=1e-5), name
+    assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 5
+
+
+if __name__ == "__main__":
+    two_process_worker(Path(sys.argv[1]))
