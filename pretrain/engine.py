@@ -189,20 +189,16 @@ def train(cfg: DictConfig) -> Path:
             # ---- logging ----
             if step % cfg.engine.log_every_steps == 0 or engine.global_steps == stop_step:
                 elapsed = time.perf_counter() - window_start
-                method_scalars = method.scalars()
-                reduced = torch.stack([loss.float(), *[torch.tensor(v, device=device, dtype=torch.float32)
-                                                        for v in method_scalars.values()]])
-                dist.all_reduce(reduced)
-                reduced = (reduced / world_size).tolist()
-                scalars = {"train/loss": reduced[0], **dict(zip(method_scalars, reduced[1:])),
+                # Averaged over processes in one all-reduce: the loss, the method's and the selection's scalars.
+                averaged = {"train/loss": loss.item(), **method.scalars(),
+                            **(selection.stats if selection is not None else {})}
+                values = torch.tensor(list(averaged.values()), device=device, dtype=torch.float32)
+                dist.all_reduce(values)
+                scalars = {**dict(zip(averaged, (values / world_size).tolist())),
                            "train/lr": float(lr_schedule[step]),
                            "train/weight_decay": float(wd_schedule[step]),
                            "perf/images_per_s": images / max(elapsed, 1e-9),
                            "perf/data_wait_frac": waited / max(elapsed, 1e-9)}
-                if selection is not None:
-                    stats = torch.tensor(list(selection.stats.values()), device=device)
-                    dist.all_reduce(stats)
-                    scalars.update(zip(selection.stats, (stats / world_size).tolist()))
                 monitor.log(engine.global_steps, epoch, scalars)
                 waited, images, window_start = 0.0, 0, time.perf_counter()
             if selection is not None and cfg.engine.image_grid_every_steps and \

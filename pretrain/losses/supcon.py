@@ -169,7 +169,23 @@ def supcon_gradient_means(z: torch.Tensor, labels: torch.Tensor | None, temperat
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive (SupCon uses 0.1)")
+    return _supcon_gradient_means(contrast_set(z, labels, gather_negatives), temperature)
+
+
+def supcon_loss_and_gradient_means(z: torch.Tensor, labels: torch.Tensor | None, temperature: float,
+                                   gather_negatives: bool = False
+                                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`supcon_per_sample` and `supcon_gradient_means` of the same inputs from one contrast set (one gather,
+    one similarity matrix): what a training step that logs the Figure-3 values needs."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be positive (SupCon uses 0.1)")
     contrast = contrast_set(z, labels, gather_negatives)
+    return (contrast.per_sample(_supcon_per_anchor(contrast, temperature)),
+            _supcon_gradient_means(contrast, temperature))
+
+
+@torch.no_grad()
+def _supcon_gradient_means(contrast: ContrastSet, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     logits = contrast.dots / temperature
     contrasted = contrast.positives | contrast.negatives
     share = torch.softmax(logits.masked_fill(~contrasted, float("-inf")), dim=1)   # P^s_ia, eqs. 6-7

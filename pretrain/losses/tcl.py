@@ -96,7 +96,23 @@ def tcl_gradient_means(z: torch.Tensor, labels: torch.Tensor | None, temperature
         >>> grad_pos, grad_neg = tcl_gradient_means(z, None, temperature=0.1, k1=5000.0, k2=1.0)
     """
     check_tcl_parameters(temperature, k1, k2)
+    return _tcl_gradient_means(contrast_set(z, labels, gather_negatives), temperature, k1, k2)
+
+
+def tcl_loss_and_gradient_means(z: torch.Tensor, labels: torch.Tensor | None, temperature: float, k1: float,
+                                k2: float, gather_negatives: bool = False
+                                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`tcl_per_sample` and `tcl_gradient_means` of the same inputs from one contrast set (one gather, one
+    similarity matrix): what a training step that logs the Figure-3 values needs."""
+    check_tcl_parameters(temperature, k1, k2)
     contrast = contrast_set(z, labels, gather_negatives)
+    return (contrast.per_sample(_tcl_per_anchor(contrast, temperature, k1, k2)),
+            _tcl_gradient_means(contrast, temperature, k1, k2))
+
+
+@torch.no_grad()
+def _tcl_gradient_means(contrast: ContrastSet, temperature: float, k1: float,
+                        k2: float) -> tuple[torch.Tensor, torch.Tensor]:
     log_d = _tcl_log_denominator(contrast, temperature, k1, k2)[:, None]
     p = torch.exp(contrast.dots / temperature - log_d)                            # P^t_ia, eq. 14
     y = temperature * k1 * torch.exp(-contrast.dots - log_d)                     # Y^t_ip, eq. 15

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from pretrain.losses.supcon import supcon_gradient_means, supcon_per_sample
+from pretrain.losses.supcon import supcon_loss_and_gradient_means, supcon_per_sample
 from pretrain.methods.tcl import TCL, check_views_and_temperature
 
 
@@ -32,9 +32,9 @@ class SupCon(TCL):
     def per_sample(self, z: torch.Tensor, labels: torch.Tensor | None, gather_negatives: bool) -> torch.Tensor:
         return supcon_per_sample(z, labels, self.options.temperature, gather_negatives)
 
-    def figure3_means(self, z: torch.Tensor, labels: torch.Tensor | None,
-                      gather_negatives: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return supcon_gradient_means(z, labels, self.options.temperature, gather_negatives)
+    def loss_and_gradient_means(self, z: torch.Tensor, labels: torch.Tensor | None, gather_negatives: bool
+                                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return supcon_loss_and_gradient_means(z, labels, self.options.temperature, gather_negatives)
 
 
 METHOD = SupCon

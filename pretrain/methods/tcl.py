@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from pretrain.losses.tcl import tcl_gradient_means, tcl_per_sample
+from pretrain.losses.tcl import tcl_loss_and_gradient_means, tcl_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import create_backbone, mlp
 
@@ -69,10 +69,10 @@ class TCL(Method):
         o = self.options
         return tcl_per_sample(z, labels, o.temperature, o.k1, o.k2, gather_negatives)
 
-    def figure3_means(self, z: torch.Tensor, labels: torch.Tensor | None,
-                      gather_negatives: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_and_gradient_means(self, z: torch.Tensor, labels: torch.Tensor | None, gather_negatives: bool
+                                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         o = self.options
-        return tcl_gradient_means(z, labels, o.temperature, o.k1, o.k2, gather_negatives)
+        return tcl_loss_and_gradient_means(z, labels, o.temperature, o.k1, o.k2, gather_negatives)
 
     # ---- the method protocol ----
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,8 +88,8 @@ class TCL(Method):
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         z, labels = outputs["z"], self.class_labels(labels)
         gather = self.options.gather_negatives
-        self.gradient_means = self.figure3_means(z.detach(), labels, gather)
-        return self.per_sample(z, labels, gather).mean()
+        per_sample, self.gradient_means = self.loss_and_gradient_means(z, labels, gather)
+        return per_sample.mean()
 
     def scalars(self) -> dict[str, float]:
         if self.gradient_means is None:
