@@ -37,11 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pretrain.checkpoint import CheckpointError
     from pretrain.engine import train
+    import torch.distributed as dist
     try:
         train(cfg)
     except (ConfigError, CheckpointError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    finally:
+        if dist.is_initialized():   # its communication threads end here, not during interpreter shutdown
+            dist.destroy_process_group()
     return 0
 
 

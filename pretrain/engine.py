@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import time
+from contextlib import closing
 from pathlib import Path
 
 import deepspeed
@@ -172,51 +173,54 @@ def train(cfg: DictConfig) -> Path:
         waited, images = 0.0, 0
         tick = window_start = time.perf_counter()
         batch_index = start_batch
-        for batch in loader.epoch(epoch, start_batch=start_batch):
-            step = engine.global_steps
-            waited += time.perf_counter() - tick
-            set_schedule_values(optimizer, lr_schedule[step], wd_schedule[step], peak_lr, step)
-            rng = random.Random(f"{cfg.seed}-{rank}-{step}")    # candidate sampling, reproducible on resume
-            loss, selection = train_step(engine, method, [v.to(dtype) for v in batch.views], batch.boxes,
-                                         batch.labels, cfg.hvs, rng)
-            batch_index += 1
-            images += batch.batch_size * world_size
-            if engine.global_steps == step:      # inside a gradient-accumulation cycle
+        # closing(): FFCV's decode thread is stopped and joined when the loop is left early (max_steps, an error)
+        with closing(loader.epoch(epoch, start_batch=start_batch)) as batches:
+            for batch in batches:
+                step = engine.global_steps
+                waited += time.perf_counter() - tick
+                set_schedule_values(optimizer, lr_schedule[step], wd_schedule[step], peak_lr, step)
+                rng = random.Random(f"{cfg.seed}-{rank}-{step}")    # candidate sampling, reproducible on resume
+                loss, selection = train_step(engine, method, [v.to(dtype) for v in batch.views], batch.boxes,
+                                             batch.labels, cfg.hvs, rng)
+                batch_index += 1
+                images += batch.batch_size * world_size
+                if engine.global_steps == step:      # inside a gradient-accumulation cycle
+                    tick = time.perf_counter()
+                    continue
+                method.after_step(engine.global_steps)
+
+                # ---- logging ----
+                if step % cfg.engine.log_every_steps == 0 or engine.global_steps == stop_step:
+                    elapsed = time.perf_counter() - window_start
+                    # Averaged over processes in one all-reduce: the loss, the method's and the selection's scalars.
+                    averaged = {"train/loss": loss.item(), **method.scalars(),
+                                **(selection.stats if selection is not None else {})}
+                    values = torch.tensor(list(averaged.values()), device=device, dtype=torch.float32)
+                    dist.all_reduce(values)
+                    scalars = {**dict(zip(averaged, (values / world_size).tolist())),
+                               "train/lr": float(lr_schedule[step]),
+                               "train/weight_decay": float(wd_schedule[step]),
+                               "perf/images_per_s": images / max(elapsed, 1e-9),
+                               "perf/data_wait_frac": waited / max(elapsed, 1e-9)}
+                    monitor.log(engine.global_steps, epoch, scalars)
+                    waited, images, window_start = 0.0, 0, time.perf_counter()
+                if selection is not None and cfg.engine.image_grid_every_steps and \
+                        step % cfg.engine.image_grid_every_steps == 0:
+                    shown = min(8, batch.batch_size)
+                    monitor.log_images(engine.global_steps, "hvs/pool", denormalise(batch.views[0][:shown], cfg))
+                    monitor.log_images(engine.global_steps, "hvs/selected",
+                                       denormalise(selection.views[0][:shown], cfg))
+
+                # ---- checkpoint ----
+                every = cfg.engine.checkpoint_every_steps
+                if (every and engine.global_steps % every == 0) or engine.global_steps == stop_step:
+                    checkpoint(epoch, batch_index)
+                if engine.global_steps >= stop_step:
+                    break
                 tick = time.perf_counter()
-                continue
-            method.after_step(engine.global_steps)
-
-            # ---- logging ----
-            if step % cfg.engine.log_every_steps == 0 or engine.global_steps == stop_step:
-                elapsed = time.perf_counter() - window_start
-                # Averaged over processes in one all-reduce: the loss, the method's and the selection's scalars.
-                averaged = {"train/loss": loss.item(), **method.scalars(),
-                            **(selection.stats if selection is not None else {})}
-                values = torch.tensor(list(averaged.values()), device=device, dtype=torch.float32)
-                dist.all_reduce(values)
-                scalars = {**dict(zip(averaged, (values / world_size).tolist())),
-                           "train/lr": float(lr_schedule[step]),
-                           "train/weight_decay": float(wd_schedule[step]),
-                           "perf/images_per_s": images / max(elapsed, 1e-9),
-                           "perf/data_wait_frac": waited / max(elapsed, 1e-9)}
-                monitor.log(engine.global_steps, epoch, scalars)
-                waited, images, window_start = 0.0, 0, time.perf_counter()
-            if selection is not None and cfg.engine.image_grid_every_steps and \
-                    step % cfg.engine.image_grid_every_steps == 0:
-                shown = min(8, batch.batch_size)
-                monitor.log_images(engine.global_steps, "hvs/pool", denormalise(batch.views[0][:shown], cfg))
-                monitor.log_images(engine.global_steps, "hvs/selected", denormalise(selection.views[0][:shown], cfg))
-
-            # ---- checkpoint ----
-            every = cfg.engine.checkpoint_every_steps
-            if (every and engine.global_steps % every == 0) or engine.global_steps == stop_step:
-                checkpoint(epoch, batch_index)
-            if engine.global_steps >= stop_step:
-                break
-            tick = time.perf_counter()
-        else:   # the epoch ran out: its end is always a checkpoint
-            if engine.global_steps != saved_step:
-                checkpoint(epoch, batch_index)
+            else:   # the epoch ran out: its end is always a checkpoint
+                if engine.global_steps != saved_step:
+                    checkpoint(epoch, batch_index)
         epoch, start_batch = epoch + 1, 0
 
     monitor.close()

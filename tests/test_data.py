@@ -1,6 +1,6 @@
 """The N-view loaders (FFCV and torchvision), batched augmentation, evaluation loader and pair_iou."""
 from __future__ import annotations
-
+import threading
 
 import numpy as np
 import pytest
@@ -60,6 +60,24 @@ def check_batch(batch, dataset, batch_size):
         in_range = ((area >= group.scale[0] - 0.02) & (area <= group.scale[1] + 0.02)
                     & (aspect >= group.ratio[0] * 0.9) & (aspect <= group.ratio[1] * 1.1))
         assert in_range.float().mean() > 0.9
+
+
+@pytest.mark.parametrize("batches_taken", [1, 2])
+def test_stopping_an_ffcv_epoch_early_ends_its_decode_thread(ffcv_loader, batches_taken):
+    """A run that stops mid-epoch (engine.max_steps) must not leave FFCV's decode thread running while the
+    interpreter exits: that aborted a CI run ("terminate called without an active exception").
+    5 batches, FFCV's queue holds 3: after 1 the thread is still decoding, after 2 it ends in a put(None)
+    that has no timeout. Closing the epoch must end the thread in both cases, and not hang."""
+    from ffcv.loader.epoch_iterator import EpochIterator
+
+    epoch = ffcv_loader.epoch(0)
+    for _ in range(batches_taken):
+        next(epoch)
+    closer = threading.Thread(target=epoch.close)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "closing an FFCV epoch early hung"
+    assert [t for t in threading.enumerate() if isinstance(t, EpochIterator)] == []
 
 
 def test_ffcv_loader_yields_n_views_with_valid_boxes_and_matching_labels(ffcv_loader, dataset):

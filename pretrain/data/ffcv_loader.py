@@ -7,6 +7,7 @@ batched over every view of the batch; the source height / width fields give aspe
 """
 from __future__ import annotations
 
+import queue
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -139,7 +140,8 @@ def build_ffcv_loader(path: str | Path, canvas_size: int, batch_size: int, num_w
 def ffcv_batches(loader: ReorderableLoader, ordered_indices: np.ndarray) -> Iterator[tuple[torch.Tensor, ...]]:
     """Iterate `loader` over `ordered_indices` in that order: (canvas uint8, label, index, height, width) per batch.
 
-    Closes FFCV's background thread when the caller stops early.
+    When the caller stops early (closes this generator), FFCV's background thread is stopped and joined
+    before this returns: see `stop_epoch_thread`.
     """
     if len(ordered_indices) == 0:
         return
@@ -149,7 +151,28 @@ def ffcv_batches(loader: ReorderableLoader, ordered_indices: np.ndarray) -> Iter
         for canvas, label, index, height, width in epoch_iterator:
             yield canvas, label.view(-1), index.view(-1), height.view(-1), width.view(-1)
     finally:
-        epoch_iterator.close()
+        stop_epoch_thread(epoch_iterator)
+
+
+def stop_epoch_thread(epoch_iterator, poll_s: float = 1.0) -> None:
+    """Stop FFCV's background thread (its `EpochIterator`) and wait until it has ended.
+
+    FFCV's own `close()` only asks the thread to stop: it goes on decoding until its output queue is full
+    and then returns within 0.5 s. A run that stops mid-epoch (`engine.max_steps`) and exits inside that
+    window leaves the thread in numba's TBB code while the interpreter shuts down, which aborts the process
+    ("terminate called without an active exception", exit status -6). Waiting for it here rules that out.
+    At the end of an epoch the thread's last `put(None)` has no timeout, so while it is alive with a full
+    queue one batch is taken out to let it finish.
+    """
+    epoch_iterator.terminate_event.set()
+    while epoch_iterator.is_alive():
+        epoch_iterator.join(timeout=poll_s)
+        if epoch_iterator.is_alive() and epoch_iterator.output_queue.full():
+            try:
+                epoch_iterator.output_queue.get_nowait()
+            except queue.Empty:
+                pass
+    epoch_iterator.close()
 
 
 def num_images_in(path: str | Path) -> int:
