@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import timm
+from omegaconf import DictConfig
 from torch import nn
 
 STEMS = ("imagenet", "small", "small_stride2")
@@ -39,6 +40,18 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
         backbone.conv1 = nn.Conv2d(3, backbone.conv1.out_channels, 3, stride, 1, bias=False)
         backbone.maxpool = nn.Identity()
     return backbone
+
+
+def backbone_from_config(cfg: DictConfig) -> nn.Module:
+    """The backbone the `model.*` keys describe; a ViT is sized for the first view group."""
+    m = cfg.model
+    return create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
+
+
+def projector_from_config(cfg: DictConfig, in_dim: int, last_bn: bool = False) -> nn.Sequential:
+    """The projection MLP the `model.proj_*` keys describe, on `in_dim` backbone features."""
+    m = cfg.model
+    return mlp(in_dim, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers, last_bn)
 
 
 def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: bool = False) -> nn.Sequential:

@@ -37,7 +37,7 @@ from torch import nn
 
 from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
 from pretrain.methods.base import Method, encode_view_groups, split_decay_groups
-from pretrain.models import create_backbone
+from pretrain.models import backbone_from_config
 from pretrain.optim import cosine_schedule
 
 NUM_GLOBAL_GROUPS = 2   # data.views groups 0 and 1: the teacher's views
@@ -131,7 +131,7 @@ class DINO(Method):
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         m, o = cfg.model, cfg.method
-        self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
+        self.backbone = backbone_from_config(cfg)
         self.head = DINOHead(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, o.out_dim,
                              m.proj_layers, o.use_bn_in_head, o.norm_last_layer)
         self.student_temp = o.student_temp

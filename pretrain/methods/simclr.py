@@ -14,7 +14,7 @@ from torch import nn
 
 from pretrain.losses.ntxent import nt_xent_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
-from pretrain.models import create_backbone, mlp
+from pretrain.models import backbone_from_config, projector_from_config
 
 
 @dataclass
@@ -27,9 +27,8 @@ class Options:
 class SimCLR(Method):
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
-        m = cfg.model
-        self.backbone = create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
-        self.projector = mlp(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers)
+        self.backbone = backbone_from_config(cfg)
+        self.projector = projector_from_config(cfg, self.backbone.num_features)
         self.temperature = cfg.method.temperature
         self.gather_negatives = cfg.method.gather_negatives
 
