@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import combinations, product
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pretrain.data.views import pair_iou
 
@@ -65,6 +67,27 @@ def candidate_combinations(counts: Sequence[int], pools: Sequence[int], max_cand
     return sorted(drawn)
 
 
+@contextmanager
+def buffers_left_as_they_are(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Run a block whose forwards must not change any buffer of `modules`, bit for bit.
+
+    The selection forward runs in train mode, as the HVS authors' code does, so BatchNorm normalises the
+    pool with its batch statistics; but in train mode BatchNorm also folds those statistics into its running
+    mean and variance. The pool (often at `selection_size`, a lower resolution) is not what the model trains
+    on, and the running statistics are what the exported backbone is evaluated with, so they are restored.
+    """
+    # By name, not by tensor: a forward may replace buffer objects (DINO moves its teacher to the device in
+    # its first forward), and the values must land in the buffers the module holds afterwards.
+    saved = [(module, {name: buffer.clone() for name, buffer in module.named_buffers()}) for module in modules]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, values in saved:
+                for name, buffer in module.named_buffers():
+                    buffer.copy_(values[name])
+
+
 @torch.no_grad()
 def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, views: list[torch.Tensor],
                       boxes: list[torch.Tensor], labels: torch.Tensor, counts: Sequence[int], mode: str = "hard",
@@ -74,8 +97,11 @@ def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, vie
     HVS appendix F.2) loss under the current model.
 
     Args:
-        forward: the model's forward, e.g. the DeepSpeed engine; called once on the whole pool.
-        method: provides `candidate_losses(outputs, combinations, labels) -> (B, C)` and `iou_views`.
+        forward: the model's forward, e.g. the DeepSpeed engine; called once on the whole pool, in the mode
+          the model is in (train mode in training). Every buffer of `method.modules_with_buffers()`
+          (BatchNorm running statistics, DINO's teacher's) is left exactly as it was.
+        method: provides `candidate_losses(outputs, combinations, labels) -> (B, C)`, `iou_views` and
+          `modules_with_buffers()`.
         views: per group, (B, pool_g, C, H, W) views; boxes: per group, (B, pool_g, 4) their crop boxes.
         labels: (B,) class labels (-1 unknown), for supervised methods.
         counts: views per group that one combination takes (the method's training views).
@@ -92,7 +118,8 @@ def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, vie
         pool = [F.interpolate(v.flatten(0, 1), size=max(1, round(v.shape[-1] * selection_size / largest)),
                               mode="bilinear", antialias=True, align_corners=False).unflatten(0, v.shape[:2])
                 for v in views]
-    outputs = {name: tensor.float() for name, tensor in forward(pool).items()}   # scores in fp32 under bf16
+    with buffers_left_as_they_are(method.modules_with_buffers()):
+        outputs = {name: tensor.float() for name, tensor in forward(pool).items()}   # scores in fp32 under bf16
     candidates = candidate_combinations(counts, pools, max_candidates, rng)
     scores = method.candidate_losses(outputs, candidates, labels).float()        # (B, C)
     pick = scores.argmax(dim=1) if mode == "hard" else scores.argmin(dim=1)
@@ -114,8 +141,10 @@ def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, vie
 def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tensor, table: torch.Tensor,
                     iou_views: int | None = None) -> dict[str, float]:
     """The scalars of HVS sec. 5.1: loss and IoU of the chosen combination against the mean over all
-    candidates, and the share of samples whose chosen combination is also their lowest-IoU one (chance:
-    1 / number of candidates).
+    candidates, and the share of samples whose chosen combination has their lowest IoU. Candidates can tie
+    on IoU (DINO's IoU is that of the two globals, shared by every candidate with the same globals: with
+    pools [2, 2, L] a quarter of them), so a sample counts when its chosen IoU equals the minimum; the
+    chance level is the share of candidates at the minimum (1/6 for pairs of 4 views, about 1/4 for DINO).
 
     The IoU of a combination is the mean IoU over the pairs of its first `iou_views` views (None: all):
     for pairs the pair's IoU, for DINO that of its two global crops.
@@ -130,5 +159,5 @@ def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tenso
         "hvs/mean_pair_loss": scores.mean().item(),
         "hvs/selected_iou": ious[rows, pick].mean().item(),
         "hvs/mean_pair_iou": ious.mean().item(),
-        "hvs/lowest_iou_chosen_frac": (pick == ious.argmin(dim=1)).float().mean().item(),
+        "hvs/lowest_iou_chosen_frac": (ious[rows, pick] <= ious.min(dim=1).values).float().mean().item(),
     }

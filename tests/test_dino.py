@@ -165,24 +165,36 @@ def test_candidate_losses_equal_the_loop_over_sample_loss():
                           Method.candidate_losses(method, outputs, capped, None), atol=1e-5)
 
 
-def test_training_loss_is_the_sample_loss_of_the_chosen_combination_then_the_centre_moves():
-    method = build_method(tiny_config()).eval()                  # running BN statistics: per-sample outputs
+def test_selection_in_train_mode_is_the_brute_force_argmax_then_the_centre_moves_once_per_step():
+    """In train mode, as the engine runs it: the chosen combination of every sample is the argmax of its
+    per-candidate losses computed one by one on a forward of the same pool; the centre moves once per
+    optimizer step, from the teacher outputs of all of the step's micro-batches."""
+    method = build_method(tiny_config()).train()
     g = torch.Generator().manual_seed(3)
     views = random_views(6, (2, 2, 6), g)
+    combinations = candidate_combinations(method.train_counts, [2, 2, 6])
     selection = select_hard_views(method, method, views, random_boxes(views, g), torch.zeros(6), method.train_counts)
-    assert selection.chosen.shape == (6, 6)
-    assert selection.stats["hvs/selected_loss"] >= selection.stats["hvs/mean_pair_loss"]
     with torch.no_grad():
-        pool_outputs = method(views)
-        expected = torch.stack([method.sample_loss(pool_outputs, selection.chosen[b].tolist(), None)[b]
-                                for b in range(6)]).mean()
-        outputs = method(selection.views)
+        pool_outputs = method(views)          # BatchNorm on the pool's batch statistics, as in the selection
+        brute_force = torch.stack([method.sample_loss(pool_outputs, c, None) for c in combinations], dim=1)
+    expected = torch.tensor(combinations)[brute_force.argmax(dim=1)]
+    assert selection.chosen.tolist() == expected.tolist()
+    torch.testing.assert_close(selection.scores, brute_force, rtol=1e-5, atol=1e-5)
+
+    # Two micro-batches of one optimizer step: the centre does not move until the step ends, then once.
     center_before = method.center.clone()
-    loss = method.loss(outputs, torch.zeros(6))
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    assert loss.item() == pytest.approx(selection.scores.max(dim=1).values.mean().item(), rel=1e-5)
-    batch_center = outputs["teacher"].mean(dim=(0, 1))
-    assert torch.allclose(method.center, 0.9 * center_before + 0.1 * batch_center, atol=1e-6)
+    teacher_rows = []
+    for micro_batch in range(2):
+        with torch.no_grad():
+            outputs = method(random_views(6, (1, 1, 4), g))
+        method.loss(outputs, torch.zeros(6))
+        teacher_rows.append(outputs["teacher"].flatten(0, 1))
+        assert torch.equal(method.center, center_before)
+    method.update_center()
+    step_mean = torch.cat(teacher_rows).mean(dim=0)
+    assert torch.allclose(method.center, 0.9 * center_before + 0.1 * step_mean, atol=1e-6)
+    last_only = 0.9 * center_before + 0.1 * teacher_rows[-1].mean(dim=0)
+    assert not torch.allclose(method.center, last_only, atol=1e-4)     # the old per-micro-batch update differs
     entropy = method.scalars()["dino/teacher_entropy"]
     assert 0 < entropy <= math.log(64) + 1e-4
 
@@ -282,7 +294,7 @@ def two_process_worker(out_dir: Path) -> None:
         method = build_method(cfg, steps_per_epoch=2)
         optimizer = build_optimizer(cfg, method.param_groups(), 0.01)
         engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
-                                                       config=deepspeed_config(cfg, bf16=False))
+                                                       config=deepspeed_config(cfg))
         student = [*method.backbone.parameters(), *method.head.parameters()]
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
             student_before = [p.detach().float().clone() for p in student]
@@ -319,6 +331,7 @@ def two_process_worker(out_dir: Path) -> None:
                 "teacher": torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(300 + r)) + r}
                for r in range(world)]
     method.loss(batches[rank], None)
+    method.update_center()                                     # once per optimizer step, in after_step
     expected = 0.9 * 0.5 + 0.1 * torch.cat([b["teacher"] for b in batches]).mean(dim=(0, 1))
     results["center_error"] = (method.center - expected).abs().max().item()
     local_only = 0.9 * 0.5 + 0.1 * batches[rank]["teacher"].mean(dim=(0, 1))

@@ -3,6 +3,7 @@ candidate combinations across view groups and the `hvs.max_candidates` cap."""
 import math
 import random
 from itertools import combinations
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,65 @@ def test_selection_gathers_each_group_and_scores_only_the_capped_candidates():
         assert v.shape == (batch, 1, 3, size, size)
         torch.testing.assert_close(v[:, 0, 0, 0, 0], values[torch.arange(batch), selection.chosen[:, g]])
     assert selection.stats["hvs/selected_iou"] == pytest.approx(1.0)
+
+
+# ==== the selection forward leaves every buffer as it found it ====
+
+METHOD_CONFIGS = ["simclr_digits.yaml", "simsiam_digits.yaml", "dino_digits.yaml", "tcl_digits.yaml",
+                  "supcon_digits.yaml"]
+
+
+def everything_the_method_keeps(method) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of the module, and what it keeps outside it (DINO's teacher and centre)."""
+    state = {f"module.{name}": value.clone() for name, value in method.state_dict().items()}
+    for name, value in method.state_outside_engine().items():
+        for key, tensor in (value.items() if isinstance(value, dict) else [("", value)]):
+            if isinstance(tensor, torch.Tensor):
+                state[f"outside.{name}.{key}"] = tensor.clone()
+    return state
+
+
+@pytest.mark.parametrize("selection_size", [None, 8])
+@pytest.mark.parametrize("config", METHOD_CONFIGS)
+def test_selection_in_train_mode_leaves_every_buffer_bit_identical(config, selection_size):
+    from pretrain.config import load_config, views_to_draw
+    from pretrain.methods import build_method
+
+    root = Path(__file__).parents[1] / "configs/pretrain"
+    cfg = load_config(root / config, ["hvs.enabled=true", "model.proj_hidden_dim=32", "model.proj_out_dim=16",
+                                      *(["method.out_dim=64"] if config.startswith("dino") else [])])
+    torch.manual_seed(0)
+    method = build_method(cfg).train()                                  # the mode the engine trains in
+    g = torch.Generator().manual_seed(1)
+    views = [torch.randn(4, group.count, 3, group.size, group.size, generator=g) for group in views_to_draw(cfg)]
+    boxes = [torch.rand(4, v.shape[1], 4, generator=g).sort(dim=-1).values[..., [0, 2, 1, 3]] for v in views]
+    with torch.no_grad():
+        method(views)                     # DINO places its teacher in its first forward: not the subject here
+    before = everything_the_method_keeps(method)
+    selection = select_hard_views(method, method, views, boxes, torch.arange(4) % 2, method.train_counts,
+                                  selection_size=selection_size, max_candidates=8, rng=random.Random(0))
+    after = everything_the_method_keeps(method)
+    assert selection.chosen.shape[0] == 4
+    assert before.keys() == after.keys()
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert changed == []
+    assert any("running_mean" in name for name in before)              # there were statistics to protect
+
+
+def test_lowest_iou_chosen_counts_a_pick_tied_at_the_minimum():
+    """DINO's IoU is that of the two globals, shared by every candidate with the same globals: a selector
+    that picks a lowest-IoU candidate which is not the first of the ties must still count."""
+    from pretrain.hvs import selection_stats
+
+    # pools [2, 2, 3], one global of each kind + 1 local: 12 candidates, 3 per pair of globals
+    table = torch.tensor(candidate_combinations([1, 1, 1], [2, 2, 3]))
+    boxes = torch.tensor([[[0, 0, .5, .5], [0, 0, 1, 1],                # global kind 1: views 0, 1
+                           [.5, .5, 1, 1], [0, 0, .6, .6],              # global kind 2: views 2, 3
+                           [0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]])  # locals
+    lowest = [c for c, (a, b, _) in enumerate(table.tolist()) if (a, b) == (0, 2)]   # IoU 0: disjoint globals
+    assert len(lowest) == 3
+    for pick in lowest:                                   # each of the tied candidates is a lowest-IoU pick
+        stats = selection_stats(torch.zeros(1, 12), torch.tensor([pick]), boxes, table, iou_views=2)
+        assert stats["hvs/lowest_iou_chosen_frac"] == 1.0
+    other = next(c for c in range(12) if c not in lowest)
+    assert selection_stats(torch.zeros(1, 12), torch.tensor([other]), boxes, table, 2)["hvs/lowest_iou_chosen_frac"] == 0.0

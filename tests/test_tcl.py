@@ -277,7 +277,7 @@ def test_hard_view_selection_picks_the_highest_loss_triplet(supervised):
     views = [torch.randn(batch, pool, 3, 16, 16)]
     boxes = [torch.rand(batch, pool, 4).sort(dim=-1).values]
     labels = torch.tensor([0, 1, 0, 1, 2, 2])
-    method.eval()                                                       # the same outputs for both passes
+    method.train()             # as the engine: BatchNorm on the pool's batch statistics, the same in both passes
     selection = select_hard_views(method, method, views, boxes, labels, method.train_counts)
     with torch.no_grad():
         z = method(views)["z"].double()
@@ -310,6 +310,12 @@ def digits(tmp_path_factory):
     return out
 
 
+# grad_pos is a mean of |X_ip - P_ip + Y_ip| (TCL eq. 17; SupCon: |X_ip - P_ip|, Lemma 1) with X_ip = 1/|P(i)|,
+# 0 <= P_ip <= 1 and 0 <= Y_ip = t k1 exp(-z_i.z_p) / D <= t, because D >= k1 exp(-z_i.z_p) (eq. 10). So it is
+# at most 1/|P(i)| + t for TCL (|P(i)| = 2 for self-supervised triplets, >= 1 with labels) and 1 for SupCon.
+GRAD_POS_BOUND = {"tcl_digits.yaml": 1 / 2 + 0.1, "tcl_supervised_digits.yaml": 1 + 0.1, "supcon_digits.yaml": 1.0}
+
+
 @pytest.mark.parametrize("config, overrides", [
     ("tcl_digits.yaml", ["hvs.enabled=true"]),                          # self-supervised, 5 views -> 10 triplets
     ("tcl_supervised_digits.yaml", []),
@@ -327,8 +333,6 @@ def test_tiny_runs_log_figure3_quantities(digits, tmp_path, config, overrides):
     assert [line["step"] for line in lines] == [1, 2, 3]
     for line in lines:
         assert math.isfinite(line["train/loss"]) and line["train/loss"] > 0
-        assert 0 < line["tcl/grad_pos"] <= 1 + 5000 * 0.1 and 0 < line["tcl/grad_neg"] < 1
-        if overrides:
-            assert line["hvs/selected_loss"] >= line["hvs/mean_pair_loss"] - 1e-6
+        assert 0 < line["tcl/grad_pos"] <= GRAD_POS_BOUND[config] and 0 < line["tcl/grad_neg"] < 1
     export = torch.load(run_dir / "backbone.pth", weights_only=True)
     assert export["step"] == 3 and "conv1.weight" in export["state_dict"]

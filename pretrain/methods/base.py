@@ -22,6 +22,8 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
     scalars() -> {name: float}                method-specific values to log (e.g. tcl/grad_pos)
     state_outside_engine() / load_state_outside_engine(state)   what DeepSpeed does not checkpoint
     backbone_to_export() -> nn.Module         the backbone that eval / transfer read
+    modules_with_buffers() -> [nn.Module]     every module whose buffers the forward may change (the
+                                              selection forward restores them: pretrain/hvs.py)
 """
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ class Method(nn.Module):
 
     def backbone_to_export(self) -> nn.Module:
         return self.backbone
+
+    def modules_with_buffers(self) -> list[nn.Module]:
+        return [self]
 
 
 def split_decay_groups(module: nn.Module, **flags) -> list[dict]:

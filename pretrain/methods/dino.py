@@ -144,6 +144,9 @@ class DINO(Method):
         self.__dict__["teacher"] = teacher.requires_grad_(False)
         self.__dict__["center"] = torch.zeros(o.out_dim)
         self.__dict__["teacher_entropy"] = torch.tensor(float("nan"))
+        # This optimizer step's teacher outputs, summed over its micro-batches: the centre moves once per step.
+        self.__dict__["step_teacher_sum"] = torch.zeros(o.out_dim)
+        self.__dict__["step_teacher_stats"] = torch.zeros(2)          # (rows summed, entropy summed over rows)
         self.steps_done = 0             # optimizer steps taken: indexes the schedules
         self.teacher_placed = False     # moved to the views' device and made equal on every rank
 
@@ -237,30 +240,48 @@ class DINO(Method):
 
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         loss = super().loss(outputs, labels)
-        self.update_center(outputs["teacher"][:, :NUM_GLOBAL_GROUPS].detach())
+        self.add_to_step_teacher_output(outputs["teacher"][:, :NUM_GLOBAL_GROUPS].detach())
         return loss
 
     @torch.no_grad()
-    def update_center(self, teacher_logits: torch.Tensor) -> None:
-        """c <- m c + (1 - m) mean of the teacher logits over the global batch (DINO's `update_center`);
-        also keeps the entropy of the centred, sharpened teacher distribution (collapse to one prototype
-        drives it to 0, collapse to the uniform distribution to log K)."""
-        teacher_logits = teacher_logits.float()
+    def add_to_step_teacher_output(self, teacher_logits: torch.Tensor) -> None:
+        """Add a micro-batch's teacher logits to this optimizer step's sums, from which `update_center` moves
+        the centre once per step (with gradient accumulation a step has several micro-batches; DINO's
+        reference has one). Also sums the entropy of the centred, sharpened teacher distribution: collapse to
+        one prototype drives it to 0, collapse to the uniform distribution to log K."""
+        teacher_logits = teacher_logits.float().flatten(0, 1)                          # (rows, K)
         center = self.center.to(teacher_logits.device)
         log_probs = F.log_softmax((teacher_logits - center) / self.teacher_temp(), dim=-1)
-        self.__dict__["teacher_entropy"] = -(log_probs.exp() * log_probs).sum(-1).mean()
-        total = teacher_logits.sum(dim=(0, 1))
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        self.__dict__["step_teacher_sum"] = self.step_teacher_sum.to(center.device) + teacher_logits.sum(0)
+        self.__dict__["step_teacher_stats"] = self.step_teacher_stats.to(center.device) + torch.stack(
+            [torch.tensor(float(len(teacher_logits)), device=center.device), entropy.sum()])
+
+    @torch.no_grad()
+    def update_center(self) -> None:
+        """c <- m c + (1 - m) mean of the teacher logits of the step just taken, over all its micro-batches and
+        all processes (DINO's `update_center`, once per optimizer step); then the step's sums restart."""
+        totals = torch.cat([self.step_teacher_sum, self.step_teacher_stats])
         if world_size() > 1:
-            dist.all_reduce(total)
-        batch_center = total / (teacher_logits.shape[0] * teacher_logits.shape[1] * world_size())
+            dist.all_reduce(totals)
+        rows = totals[-2]
+        if rows == 0:          # no training forward in this step (cannot happen in the engine's loop)
+            return
+        center = self.center.to(totals.device)
+        batch_center = totals[:-2] / rows
         self.__dict__["center"] = center * self.center_momentum + batch_center * (1 - self.center_momentum)
+        self.__dict__["teacher_entropy"] = totals[-1] / rows
+        self.__dict__["step_teacher_sum"] = torch.zeros_like(self.step_teacher_sum)
+        self.__dict__["step_teacher_stats"] = torch.zeros_like(self.step_teacher_stats)
 
     # ==== once per optimizer step ====
     @torch.no_grad()
     def after_step(self, step: int) -> None:
-        """EMA teacher <- m teacher + (1 - m) student with m of the step just taken (step - 1)."""
+        """The centre from this step's teacher outputs, then the EMA teacher <- m teacher + (1 - m) student with
+        m of the step just taken (step - 1)."""
         import deepspeed
 
+        self.update_center()
         self.steps_done = step
         momentum = self.teacher_momentum()
         student = [*self.backbone.parameters(), *self.head.parameters()]
@@ -308,6 +329,9 @@ class DINO(Method):
 
     def backbone_to_export(self) -> nn.Module:
         return self.backbone if self.export == "student" else self.teacher["backbone"]
+
+    def modules_with_buffers(self) -> list[nn.Module]:
+        return [self, self.teacher]        # the teacher's BatchNorm statistics move in its forward too
 
 
 METHOD = DINO
