@@ -2,11 +2,17 @@
 
 Pretrain an image encoder with a self-supervised method (and optional hard view selection). Runs in one
 process as it is, or in several under `torchrun --nproc-per-node N -m pretrain ...` / `deepspeed`.
-Starting a run whose directory holds a checkpoint resumes it.
+Starting a run whose directory holds a checkpoint resumes it. SIGINT / SIGTERM (Ctrl-C, scancel) finish the
+optimizer step under way, save a checkpoint and exit; a second signal exits at once.
+
+Exit status: 0 done; 1 training diverged (NaN / inf; the last finite checkpoint is kept); 2 bad input, nothing
+trained (config, data, checkpoint, run directory in use, disk full); 128 + N stopped by signal N after
+saving a checkpoint (rerun the same command to resume).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pretrain.config import ConfigError, load_config
@@ -35,19 +41,38 @@ def main(argv: list[str] | None = None) -> int:
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(cfg))
         return 0
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.engine import train
     import torch.distributed as dist
+
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.data import DatasetError
+    from pretrain.engine import TrainingDiverged, train
+    from pretrain.graceful_stop import StopRequested
+    from pretrain.monitor import MetricsFileError
+    from pretrain.run_lock import RunDirectoryInUse
+
+    def report(message: str) -> None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        prefix = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
+        print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
     try:
         train(cfg)
-    except (ConfigError, CheckpointError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ConfigError, DatasetError, CheckpointError, RunDirectoryInUse, MetricsFileError) as error:
+        report(f"error: {error}")
+        return 2
+    except TrainingDiverged as error:
+        report(f"error: {error}")
         return 1
+    except StopRequested as error:
+        report(str(error))
+        return error.exit_code
+    except KeyboardInterrupt:          # Ctrl-C before the training loop began: nothing was trained
+        report("interrupted before training began; nothing to save")
+        return 130
     finally:
         if dist.is_initialized():   # its communication threads end here, not during interpreter shutdown
             dist.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

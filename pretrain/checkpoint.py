@@ -1,11 +1,21 @@
 """Checkpoints: DeepSpeed checkpoints to resume a run, and the backbone export that eval and transfer read.
 
-RUN_DIR/checkpoints/stepNNNNNNNN/   DeepSpeed shards (model, optimizer, per rank) + our client state
-RUN_DIR/checkpoints/latest          written by DeepSpeed once a checkpoint is complete
-RUN_DIR/backbone.pth                {arch, stem, state_dict, config, epoch, step}; torch.load(weights_only=True)
+RUN_DIR/checkpoints/stepNNNNNNNN/                   DeepSpeed shards (model, optimizer, per rank) + client state
+RUN_DIR/checkpoints/stepNNNNNNNN/trainer_state.json  step, data position and run layout; written last, so a
+                                                    checkpoint without it is incomplete and never loaded
+RUN_DIR/checkpoints/latest                          the newest complete checkpoint (for DeepSpeed's tools)
+RUN_DIR/backbone.pth                                {arch, stem, state_dict, config, epoch, step};
+                                                    torch.load(weights_only=True)
+
+Every file that a reader may see while it is written (trainer_state.json, latest, backbone.pth, ...) is
+written to a temporary name and renamed: a crash or a full disk leaves the previous version, never half a
+file. Resuming loads the newest checkpoint that loads and holds finite parameters, falling back to older
+ones with a message; rotation deletes only older checkpoints once a newer one is complete.
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -16,9 +26,58 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+TRAINER_STATE = "trainer_state.json"
+
+# What a checkpoint's step count, data position and schedule depend on. Resuming with any of them changed
+# would silently train another run (other epochs, another schedule, zero steps), so it is refused. Settings
+# that only change values (optim.lr, weight decay, clipping, logging, checkpoint frequency, max_steps) may
+# change on resume: the new values apply from the resumed step on.
+RUN_LAYOUT = {
+    "world_size": "the number of processes",
+    "batch_size": "data.batch_size",
+    "grad_accum": "optim.grad_accum",
+    "num_images": "the number of images in data.train",
+    "epochs": "optim.epochs",
+    "seed": "seed",
+}
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as it is; the message says why and what to do."""
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: readers see the old or the new file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def run_layout(cfg: DictConfig, world_size: int, num_images: int) -> dict[str, int]:
+    """The settings of RUN_LAYOUT for this start."""
+    return {"world_size": world_size, "batch_size": cfg.data.batch_size, "grad_accum": cfg.optim.grad_accum,
+            "num_images": num_images, "epochs": cfg.optim.epochs, "seed": cfg.seed}
+
+
+def all_ranks_agree(ok: bool) -> bool:
+    """True when `ok` holds on every process (a collective: call it on every rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def parameters_finite_on_every_rank(module: nn.Module) -> bool:
+    """True when no parameter of `module` holds NaN or inf on any process (ZeRO-3: this rank's partition)."""
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in module.parameters())
+    return all_ranks_agree(finite)
 
 
 def average_buffers(module: nn.Module) -> None:
@@ -32,38 +91,107 @@ def average_buffers(module: nn.Module) -> None:
             buffer.div_(dist.get_world_size())
 
 
-def save_checkpoint(engine, checkpoint_dir: Path, step: int, client_state: dict, keep: int) -> None:
-    """Save a DeepSpeed checkpoint tagged `stepNNNNNNNN`; keep the newest `keep` of them."""
+def describe_write_error(error: Exception, directory: Path) -> str:
+    """One line for a failed write; says "no space left on device" when that is why (torch's zip writer
+    reports a full disk only as "file write failed")."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in reason or (free is not None and free < 1 << 20):
+        return f"no space left on device ({reason})"
+    return reason
+
+
+def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Checkpoint directories with their trainer_state.json (complete), newest first."""
+    return sorted((p for p in checkpoint_dir.glob("step*") if (p / TRAINER_STATE).is_file()), reverse=True)
+
+
+def save_checkpoint(engine, checkpoint_dir: Path, trainer_state: dict, client_state: dict, keep: int) -> None:
+    """Save checkpoint `stepNNNNNNNN` of `trainer_state["step"]` on every rank; mark it complete, point `latest`
+    at it, and keep the newest `keep` complete checkpoints (0: all).
+
+    A failed write (a full disk) removes the partial checkpoint, leaves `latest` on the last complete one,
+    and raises CheckpointError on every rank.
+    """
+    tag = f"step{trainer_state['step']:08d}"
     average_buffers(engine.module)
-    engine.save_checkpoint(str(checkpoint_dir), tag=f"step{step:08d}", client_state=client_state)
+    failure = None
+    try:
+        engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+    except (OSError, RuntimeError) as error:
+        failure = describe_write_error(error, checkpoint_dir)
+        dist.barrier()          # the one DeepSpeed's save ends with, which this rank did not reach
+    if dist.get_rank() == 0 and failure is None:
+        try:
+            write_text_atomically(checkpoint_dir / tag / TRAINER_STATE, json.dumps(trainer_state, indent=1))
+            write_text_atomically(checkpoint_dir / "latest", tag)
+        except OSError as error:
+            failure = describe_write_error(error, checkpoint_dir)
+    if not all_ranks_agree(failure is None):
+        previous = [p.name for p in complete_checkpoints(checkpoint_dir) if p.name != tag]
+        if dist.get_rank() == 0:
+            shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)
+        dist.barrier()
+        last = f"the last complete checkpoint is {previous[0]}" if previous else "no complete checkpoint exists yet"
+        raise CheckpointError(f"could not write checkpoint {checkpoint_dir / tag}: {failure or 'failed on another process'}"
+                              f". The partial checkpoint was removed; {last}. Free space, then rerun the same "
+                              "command to resume from it.")
     if dist.get_rank() == 0 and keep > 0:
-        tags = sorted(p for p in checkpoint_dir.glob("step*") if p.is_dir())
-        for old in tags[:-keep]:
+        complete = complete_checkpoints(checkpoint_dir)
+        for old in complete[keep:]:
             shutil.rmtree(old, ignore_errors=True)
+        for leftover in checkpoint_dir.glob("step*"):        # incomplete ones, older than the newest complete
+            if leftover.is_dir() and leftover.name < complete[0].name and leftover not in complete:
+                shutil.rmtree(leftover, ignore_errors=True)
     dist.barrier()
 
 
-def resume_if_possible(engine, checkpoint_dir: Path) -> dict | None:
-    """Load the latest checkpoint of the run, if there is one; return its client state."""
-    latest = checkpoint_dir / "latest"
-    if not latest.is_file():
+def resume_from_newest_loadable(engine, checkpoint_dir: Path, layout: dict[str, int]) -> tuple[dict, dict] | None:
+    """Load the newest complete checkpoint that loads and holds finite parameters; return its
+    (trainer_state, client_state), or None when the run has no complete checkpoint.
+
+    Refused (CheckpointError) when the newest checkpoint was written with another RUN_LAYOUT, or when none
+    loads. Older checkpoints are tried in turn, with a message naming each one skipped and why.
+    """
+    candidates = complete_checkpoints(checkpoint_dir)
+    if not candidates:
         return None
-    tag = latest.read_text().strip()
-    if not (checkpoint_dir / tag).is_dir():
-        raise CheckpointError(f"{latest} names checkpoint {tag!r}, which is missing; write the name of a complete "
-                              f"checkpoint directory of {checkpoint_dir} into it, or delete it to start afresh")
-    try:
-        path, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
-    except (RuntimeError, KeyError, ValueError, AssertionError) as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    check_layout(candidates[0], layout)
+    reasons = []
+    for candidate in candidates:
+        reason = None
+        try:
+            path, client_state = engine.load_checkpoint(str(checkpoint_dir), tag=candidate.name)
+            if path is None:
+                reason = "DeepSpeed found no model states in it"
+        except Exception as error:           # a torn zip, a missing shard, a shape mismatch: all mean "cannot use"
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        if all_ranks_agree(reason is None) and not parameters_finite_on_every_rank(engine.module):
+            reason = "its parameters are not finite (NaN or inf): the run had diverged"
+        if all_ranks_agree(reason is None):
+            if reasons and dist.get_rank() == 0:
+                print(f"resuming from {candidate.name}, the newest checkpoint that loads; skipped "
+                      + "; ".join(reasons), flush=True)
+            return json.loads((candidate / TRAINER_STATE).read_text()), client_state
+        reasons.append(f"{candidate.name} ({reason or 'it failed to load on another process'})")
+    raise CheckpointError(
+        f"none of the {len(candidates)} checkpoints in {checkpoint_dir} can be resumed: " + "; ".join(reasons)
+        + ". If they do not match this run's model or optimizer, resume with the settings in "
+        f"{checkpoint_dir.parent / 'config.yaml'}, or start a new run with another name=... .")
+
+
+def check_layout(checkpoint: Path, layout: dict[str, int]) -> None:
+    saved = json.loads((checkpoint / TRAINER_STATE).read_text())
+    changed = [f"{RUN_LAYOUT[key]} was {saved[key]} and is now {layout[key]}"
+               for key in RUN_LAYOUT if key in saved and saved[key] != layout[key]]
+    if changed:
         raise CheckpointError(
-            f"cannot resume from {checkpoint_dir / tag}: it does not match this run's model or optimizer "
-            f"({reason}). Start a new run (a different `name=`), or delete {checkpoint_dir} to start this one "
-            "from scratch.") from None
-    if path is None:
-        raise CheckpointError(f"checkpoint {checkpoint_dir / tag} is incomplete; write the name of an older "
-                              f"checkpoint into {latest}, or delete it to start afresh")
-    return client_state
+            f"cannot resume {checkpoint.parent.parent} from {checkpoint.name}: " + "; ".join(changed)
+            + ". The run's steps, data position and schedule depend on these: resume with the settings it was "
+            "trained with (processes: torchrun --nproc-per-node N), or start a new run with another name=... .")
 
 
 def check_resumable(saved_config_path: Path, cfg: DictConfig) -> None:
@@ -79,6 +207,16 @@ def check_resumable(saved_config_path: Path, cfg: DictConfig) -> None:
                 "Use another run name (name=...) or delete that directory.")
 
 
+def check_fresh_start(run_dir: Path) -> None:
+    """A directory without a checkpoint to resume must not hold the export of an earlier run: starting afresh
+    would overwrite it."""
+    export = run_dir / "backbone.pth"
+    if export.is_file():
+        raise CheckpointError(
+            f"{run_dir} holds a backbone export ({export}) but no complete checkpoint to resume from: starting "
+            "afresh would overwrite it. Start this run with another name=... , or move that directory away.")
+
+
 def export_backbone(module: nn.Module, path: Path, cfg: DictConfig, epoch: int, step: int) -> None:
     """Write {arch, stem, state_dict, config, epoch, step} for the evaluation and transfer stages.
 
@@ -87,13 +225,21 @@ def export_backbone(module: nn.Module, path: Path, cfg: DictConfig, epoch: int, 
     atomically, so a reader never sees half a file.
     """
     backbone = module.backbone_to_export()
+    failure = None
     with deepspeed.zero.GatheredParameters(list(backbone.parameters()), modifier_rank=None):
         if dist.get_rank() == 0:
             state = {name: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
                      for name, t in backbone.state_dict().items()}
             export = {"arch": cfg.model.arch, "stem": cfg.model.stem, "state_dict": state,
                       "config": OmegaConf.to_container(cfg, resolve=True), "epoch": epoch, "step": step}
-            tmp = path.with_suffix(".pth.tmp")
-            torch.save(export, tmp)
-            os.replace(tmp, path)
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                torch.save(export, tmp)
+                os.replace(tmp, path)
+            except (OSError, RuntimeError) as error:
+                failure = describe_write_error(error, path.parent)
+                tmp.unlink(missing_ok=True)
+    if not all_ranks_agree(failure is None):
+        raise CheckpointError(f"could not write the backbone export {path}: {failure or 'failed on rank 0'}; the "
+                              f"checkpoint of step {step} is complete. Free space, then rerun the same command.")
     dist.barrier()

@@ -8,6 +8,7 @@ and the closest valid one. Values are type-checked by OmegaConf.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pretrain.data.augment import check_view_group
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
 
@@ -31,6 +33,10 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
     views: list[ViewGroup] = field(default_factory=lambda: [ViewGroup()])
+    # Evaluation input (k-NN, linear probe, transfer): the shorter side resized to size / eval_crop_fraction,
+    # then a centre crop of `size` px (0.875: the standard 256 -> 224). 1.0 keeps the whole of a square image
+    # (the digits, CIFAR-sized folders).
+    eval_crop_fraction: float = 0.875
 
 
 @dataclass
@@ -110,6 +116,41 @@ CHOICES = {
 }
 
 
+# (key, comparison, bound, what the value is): numbers outside these ranges are refused by name.
+NUMBER_RANGES = (
+    ("data.batch_size", ">=", 1, "images per process"),
+    ("data.num_workers", ">=", 0, "loader worker processes"),
+    ("data.canvas_size", ">=", 1, "pixels"),
+    ("optim.lr", ">", 0, "the peak lr at a global batch of 256"),
+    ("optim.min_lr", ">=", 0, "the cosine's final lr"),
+    ("optim.warmup_epochs", ">=", 0, "epochs"),
+    ("optim.epochs", ">=", 1, "epochs to train"),
+    ("optim.momentum", ">=", 0, "SGD / LARS momentum"),
+    ("optim.weight_decay", ">=", 0, "weight decay"),
+    ("optim.weight_decay_end", ">=", 0, "weight decay"),
+    ("optim.grad_clip", ">=", 0, "max gradient norm, 0 disables clipping"),
+    ("optim.grad_accum", ">=", 1, "micro-batches per optimizer step"),
+    ("engine.checkpoint_every_steps", ">=", 0, "0: at epoch ends only"),
+    ("engine.keep_checkpoints", ">=", 0, "0: keep all"),
+    ("engine.log_every_steps", ">=", 1, "steps"),
+    ("engine.print_every_steps", ">=", 1, "steps"),
+    ("engine.image_grid_every_steps", ">=", 0, "0 disables the grid"),
+    ("engine.max_steps", ">=", 0, "0: the whole schedule"),
+    ("hvs.selection_size", ">=", 1, "pixels"),
+)
+
+
+def check_architecture(arch: str) -> None:
+    """Refuse a model.arch that timm does not know, naming the closest names it does."""
+    import timm
+
+    if timm.is_model(arch):
+        return
+    close = difflib.get_close_matches(arch, timm.list_models(), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. resnet18, resnet50, vit_small_patch16_224"
+    raise ConfigError(f"model.arch={arch!r} is not a timm model name{hint} (`timm.list_models()` lists them all)")
+
+
 class ConfigError(ValueError):
     """A configuration the user must fix; the message says what and how."""
 
@@ -170,7 +211,11 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
         if "=" not in override:
             raise ConfigError(f"override {override!r} is not of the form key=value (e.g. hvs.enabled=true)")
         key, text = override.split("=", 1)
-        parsed.append((key, yaml.safe_load(text)))
+        try:
+            parsed.append((key, yaml.safe_load(text)))
+        except yaml.YAMLError:
+            raise ConfigError(f"the value of override {override!r} is not valid YAML; quote it, e.g. "
+                              f"{key}='{text}'") from None
     return parsed
 
 
@@ -185,7 +230,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; configs live in configs/pretrain/")
-        tree = yaml.safe_load(path.read_text()) or {}
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: {problem}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(path)!r} holds a {type(tree).__name__} at its top level; a config is "
+                              "a mapping of sections (name:, data:, model:, method:, ...), as in configs/pretrain/")
     parsed = _parse_overrides(list(overrides))
     name = (tree.get("method") or {}).get("name", DEFAULT_METHOD)
     name = next((value for key, value in reversed(parsed) if key == "method.name"), name)
@@ -218,8 +272,23 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {allowed}")
     if not 0 <= cfg.engine.zero_stage <= 3:
         raise ConfigError(f"engine.zero_stage={cfg.engine.zero_stage} must be 0, 1, 2 or 3")
-    if cfg.optim.grad_accum < 1 or cfg.data.batch_size < 1:
-        raise ConfigError("optim.grad_accum and data.batch_size must be at least 1")
+    for key, comparison, bound, meaning in NUMBER_RANGES:
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < bound or (comparison == ">" and value == bound):
+            raise ConfigError(f"{key}={value} must be a finite number {comparison} {bound} ({meaning})")
+    if not 0 < cfg.data.eval_crop_fraction <= 1:
+        raise ConfigError(f"data.eval_crop_fraction={cfg.data.eval_crop_fraction} must lie in (0, 1]: 0.875 for "
+                          "the standard 256 -> 224 centre crop, 1.0 for the whole image")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays to min_lr")
+    for index, group in enumerate(views_to_draw(cfg)):
+        try:
+            check_view_group(group)
+        except ValueError as error:
+            raise ConfigError(f"data.views.{index}: {error}") from None
+    check_architecture(cfg.model.arch)
     if cfg.optim.name == "lars" and cfg.engine.zero_stage > 0:
         raise ConfigError("optim.name=lars needs whole per-layer parameters, but ZeRO stage "
                           f"{cfg.engine.zero_stage} flattens them into partitions; use engine.zero_stage=0 "

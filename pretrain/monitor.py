@@ -3,6 +3,7 @@ RUN_DIR/metrics.jsonl, and a progress line on the console. Only rank 0 writes.""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -10,13 +11,44 @@ from pathlib import Path
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from pretrain.checkpoint import write_text_atomically
+
+
+class MetricsFileError(ValueError):
+    """metrics.jsonl holds a line that is not JSON before its last line; the message names file and line."""
+
+
+def keep_logged_steps_up_to(metrics: Path, step: int) -> None:
+    """Rewrite `metrics` (atomically) with only the lines of steps <= `step`.
+
+    A crash or a full disk can leave the last line torn: it is dropped with a warning. A broken line before
+    the last was not written by a crash; it is refused with its line number.
+    """
+    if not metrics.exists():
+        return
+    lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                print(f"warning: dropped the torn last line of {metrics} (line {number}: {line[:60]!r}...), "
+                      "left by a crash or a full disk", file=sys.stderr, flush=True)
+                continue
+            raise MetricsFileError(f"{metrics} line {number} is not JSON ({line[:60]!r}): fix or delete that line, "
+                                   "then rerun") from None
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    write_text_atomically(metrics, "".join(line + "\n" for line in kept))
+
 
 class TrainingMonitor:
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, print_every_steps: int = 10,
                  resumed_step: int | None = None):
         """resumed_step: the step a resumed run restarts from. What a killed run logged after its last
         checkpoint is dropped, from metrics.jsonl and (through purge_step) from TensorBoard, so each step
-        appears once."""
+        appears once. A fresh start (None) removes the logs of an earlier attempt that saved no checkpoint."""
         self.enabled = enabled
         self.print_every_steps = max(1, print_every_steps)
         self.total_steps = total_steps
@@ -24,10 +56,13 @@ class TrainingMonitor:
         self.first_step: int | None = None
         if enabled:
             metrics = run_dir / "metrics.jsonl"
-            if resumed_step is not None and metrics.exists():
-                kept = [line for line in metrics.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= resumed_step]
-                metrics.write_text("".join(line + "\n" for line in kept))
+            if resumed_step is not None:
+                keep_logged_steps_up_to(metrics, resumed_step)
+            elif metrics.exists() or (run_dir / "tb").exists():
+                metrics.unlink(missing_ok=True)
+                shutil.rmtree(run_dir / "tb", ignore_errors=True)
+                print(f"fresh start: removed the logs of an earlier attempt that saved no checkpoint "
+                      f"({metrics}, {run_dir / 'tb'})", file=sys.stderr, flush=True)
             purge_step = resumed_step + 1 if resumed_step is not None else None
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
             self.jsonl = open(metrics, "a")

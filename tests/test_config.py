@@ -71,7 +71,7 @@ def test_cli_reports_config_errors_without_traceback(capsys):
 
 
 def test_cli_refuses_a_missing_beton_and_says_how_to_write_it(capsys, tmp_path):
-    assert main(["data.train=nope.beton", f"run_dir={tmp_path / 'run'}"]) == 1
+    assert main(["data.train=nope.beton", f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "data.train='nope.beton' does not exist" in err and "python -m pretrain.data write" in err
     assert not (tmp_path / "run").exists()          # nothing is created for a run that cannot start

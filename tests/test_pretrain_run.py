@@ -1,6 +1,8 @@
-"""Whole runs of `python -m pretrain` as a user starts them: one process end to end, and two processes
-under DeepSpeed ZeRO-2 that checkpoint, are killed, and resume at the right step."""
+"""Whole runs of `python -m pretrain` as a user starts them, and the faults a cluster run meets: killed and
+resumed (one process and two under ZeRO-2), a run that diverges, SIGTERM, a second run in the same
+directory, a corrupt newest checkpoint, a torn metrics line, a stale build lock of DeepSpeed's CPU op."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -14,7 +16,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.config import load_config
 from pretrain.data.digits import write_digits
-from pretrain.optim import cosine_schedule, scaled_lr
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
@@ -29,11 +30,12 @@ def digits(tmp_path_factory):
     return out
 
 
-def pretrain_command(run_dir: Path, digits: Path, *overrides: str, processes: int = 1) -> list[str]:
+def pretrain_command(run_dir: Path, digits: Path, *overrides: str, processes: int = 1, config: Path = CONFIG,
+                     tiny: bool = True) -> list[str]:
     launcher = [sys.executable, "-m", "pretrain"] if processes == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), "-m", "pretrain"]
-    return launcher + ["--config", str(CONFIG), f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
-                       f"data.val={digits / 'val.beton'}", *TINY, *overrides]
+    return launcher + ["--config", str(config), f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
+                       f"data.val={digits / 'val.beton'}", *(TINY if tiny else []), *overrides]
 
 
 def kill_process_tree(pid: int) -> None:
@@ -58,27 +60,53 @@ def kill_process_tree(pid: int) -> None:
             pass
 
 
-def run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
+def run(command: list[str], timeout: int = 300, expect: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == expect, result.stderr[-3000:]
     return result
 
 
-def test_tiny_run_end_to_end_with_hard_view_selection(digits, tmp_path):
+def logged(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for(condition, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def logged_steps(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_log_line(digits, tmp_path):
+    # A stale build lock of DeepSpeed's CPU shared-memory op (a first start killed while building it) must
+    # not hang the run: that op is never built.
+    extensions = tmp_path / "torch_extensions"
+    env = {"TORCH_EXTENSIONS_DIR": str(extensions)}
+    stale = Path(run([sys.executable, "-c", "import torch.utils.cpp_extension as c; "
+                      "print(c._get_build_directory('deepspeed_shm_comm', verbose=False))"], env=env).stdout.split()[-1])
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / "lock").touch()                        # where torch's FileBaton waits while another process builds
+    assert stale.is_relative_to(extensions)
+
     run_dir = tmp_path / "run"
-    run(pretrain_command(run_dir, digits, "hvs.enabled=true", "engine.max_steps=4", "engine.checkpoint_every_steps=2"))
+    run(pretrain_command(run_dir, digits, "hvs.enabled=true", "engine.max_steps=4", "engine.checkpoint_every_steps=2"),
+        timeout=120, env=env)
+    assert sorted(p.name for p in stale.iterdir()) == ["lock"]          # nothing was built there
 
     assert load_config(run_dir / "config.yaml").hvs.enabled is True     # the resolved config, re-loadable
     export = torch.load(run_dir / "backbone.pth", weights_only=True)
     assert export["arch"] == "resnet18" and export["step"] == 4 and "conv1.weight" in export["state_dict"]
-
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = logged(run_dir)
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     for line in lines:
-        assert 0 <= line["hvs/lowest_iou_chosen_frac"] <= 1
-        assert line["hvs/selected_loss"] >= line["hvs/mean_pair_loss"] - 1e-6   # the hardest pair is chosen
         assert 0 <= line["perf/data_wait_frac"] <= 1 and line["perf/images_per_s"] > 0
-
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0}).Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/weight_decay", "perf/images_per_s", "perf/data_wait_frac",
@@ -86,48 +114,118 @@ def test_tiny_run_end_to_end_with_hard_view_selection(digits, tmp_path):
             "hvs/lowest_iou_chosen_frac"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     assert {"hvs/pool", "hvs/selected"} <= set(events.Tags()["images"])
+    assert [e.step for e in events.Images("hvs/pool")] == [2, 4]            # every 2 steps, at the step taken
 
     # The same directory with another architecture is refused, with what to do, and nothing is lost.
-    clash = subprocess.run(pretrain_command(run_dir, digits, "model.arch=resnet34"), cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
-    assert clash.returncode == 1
+    clash = run(pretrain_command(run_dir, digits, "model.arch=resnet34"), expect=2)
     assert "model.arch='resnet18'" in clash.stderr and "Use another run name" in clash.stderr
+    assert len(clash.stderr.strip().splitlines()) == 1                     # one line, no traceback
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 4
-    # A checkpoint whose heads differ in shape is refused by name; so is a `latest` naming a missing one.
-    shapes = subprocess.run(pretrain_command(run_dir, digits, "model.proj_hidden_dim=48"), cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert shapes.returncode == 1 and "does not match this run's model" in shapes.stderr
-    assert load_config(run_dir / "config.yaml").model.proj_hidden_dim == 64      # the record is intact
-    (run_dir / "checkpoints" / "latest").write_text("step00000099")
-    missing = subprocess.run(pretrain_command(run_dir, digits), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert missing.returncode == 1 and "names checkpoint 'step00000099', which is missing" in missing.stderr
-    (run_dir / "checkpoints" / "latest").write_text("step00000004")
+    # Heads of another shape: no checkpoint can be resumed; refused by name, and the record stays intact.
+    shapes = run(pretrain_command(run_dir, digits, "model.proj_hidden_dim=48"), expect=2)
+    assert "none of the 2 checkpoints" in shapes.stderr and "step00000004" in shapes.stderr
+    assert load_config(run_dir / "config.yaml").model.proj_hidden_dim == 64
 
-    knn = subprocess.run([sys.executable, "-m", "eval", "knn", "--run", str(run_dir), "--k", "10", "20"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert knn.returncode == 0, knn.stderr[-3000:]
-    results = json.loads(next((run_dir / "eval").glob("knn*.json")).read_text())
-    assert results["step"] == 4 and 0.1 < float(results["top1"]["20"]) <= 1.0
+    # A corrupt newest checkpoint: resume falls back to the newest one that loads, and says so. A torn last
+    # line in metrics.jsonl (a crash mid-write) is dropped with a warning. Each step is logged once.
+    newest = run_dir / "checkpoints/step00000004/mp_rank_00_model_states.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 5, "epoch": 0, "train/lo')
+    resumed = run(pretrain_command(run_dir, digits, "hvs.enabled=true", "engine.max_steps=6",
+                                   "engine.checkpoint_every_steps=2"))
+    assert "resuming from step00000002, the newest checkpoint that loads; skipped step00000004" in resumed.stdout
+    assert "at step 2 " in resumed.stdout and "dropped the torn last line" in resumed.stderr
+    assert [line["step"] for line in logged(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 6
 
 
-def test_two_processes_zero2_killed_then_resumed_at_the_right_step(digits, tmp_path):
+def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_path):
+    """Four short epochs of SimCLR, evaluated by the k-NN command, against the same encoder at its random
+    initialisation (the run's own seed) on the same images and preprocessing."""
+    from eval.features import extract_features
+    from eval.knn import weighted_knn
+    from pretrain.data.loader import build_image_loader
+    from pretrain.methods import build_method
+
     run_dir = tmp_path / "run"
-    common = ("engine.zero_stage=2", "engine.checkpoint_every_steps=2", "optim.warmup_epochs=0.5")
+    run(pretrain_command(run_dir, digits, "optim.epochs=4", "data.batch_size=64", "engine.image_grid_every_steps=0",
+                         tiny=False))
+    knn = run([sys.executable, "-m", "eval", "knn", "--run", str(run_dir), "--ks", "20"])
+    assert "top-1" in knn.stdout
+    pretrained = json.loads(next((run_dir / "eval").glob("knn_step*.json")).read_text())["top1"]["20"]
+
+    cfg = load_config(run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed)
+    random_init = build_method(cfg).backbone.eval()
+    features = {}
+    for split in ("train", "val"):
+        loader = build_image_loader(cfg.data[split], cfg.data.views[0].size, 256, mean=cfg.data.mean,
+                                    std=cfg.data.std, num_workers=1, crop_fraction=cfg.data.eval_crop_fraction)
+        features[split] = extract_features(random_init, loader, "cpu")
+    baseline = weighted_knn(*features["train"], *features["val"], ks=(20,))[20]
+    assert baseline > 0.85                           # a random ResNet already separates digits well
+    assert pretrained > baseline + 0.01, (pretrained, baseline)
+
+
+def test_resumed_run_equals_the_uninterrupted_one_across_an_epoch_with_a_remainder(digits, tmp_path):
+    """44 batches per epoch, 3 micro-batches per optimizer step: 14 steps per epoch, 2 batches left over. A run
+    killed mid-way and resumed must take the same steps as an uninterrupted one: same losses, same lrs, same
+    parameters after step 16 (the second epoch's second step), the augmentation draws included."""
+    common = ("optim.grad_accum=3", "optim.epochs=2", "engine.max_steps=16", "engine.checkpoint_every_steps=3",
+              "engine.image_grid_every_steps=0", "optim.warmup_epochs=0.5")
+    straight = tmp_path / "straight"
+    run(pretrain_command(straight, digits, *common))
+
+    killed = tmp_path / "killed"
+    first = subprocess.Popen(pretrain_command(killed, digits, *common), cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    wait_for(lambda: (killed / "checkpoints/latest").exists(), first)
+    kill_process_tree(first.pid)
+    first.wait()
+    resumed = run(pretrain_command(killed, digits, *common))
+    killed_at = int(resumed.stdout.split("at step ")[1].split()[0])
+    assert 3 <= killed_at < 16
+
+    a, b = logged(straight), logged(killed)
+    assert [line["step"] for line in a] == [line["step"] for line in b] == list(range(1, 17))
+    assert a[13]["epoch"] == 0 and a[14]["epoch"] == 1                 # step 15 is the first of epoch 1
+    for x, y in zip(a, b):
+        assert x["train/lr"] == y["train/lr"]
+        assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-5, abs=1e-6), x["step"]
+    state = "checkpoints/step00000016/mp_rank_00_model_states.pt"
+    straight_module = torch.load(straight / state, weights_only=False)["module"]
+    killed_module = torch.load(killed / state, weights_only=False)["module"]
+    for name, value in straight_module.items():
+        torch.testing.assert_close(killed_module[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    trainer_state = json.loads((killed / "checkpoints/step00000015/trainer_state.json").read_text())
+    assert (trainer_state["epoch"], trainer_state["batch_in_epoch"]) == (1, 3)   # whole steps, epoch 1
+
+
+def hand_computed_lr(step: int) -> float:
+    """simclr_digits: lr 0.3 per 256 images, 2 processes x 32 = 64 -> 0.075; 1437 // 2 // 32 = 22 steps per
+    epoch, 15 epochs = 330 steps; warm-up 0.5 epochs = 11 steps, linear from 0; then half a cosine to 0."""
+    peak, warmup, total = 0.3 * 64 / 256, 11, 330
+    if step < warmup:
+        return peak * step / warmup
+    return 0.5 * peak * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+
+def test_two_processes_zero2_bf16_killed_then_resumed_at_the_right_step(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ("engine.zero_stage=2", "engine.checkpoint_every_steps=2", "optim.warmup_epochs=0.5",
+              "engine.precision=bf16")
     first = subprocess.Popen(pretrain_command(run_dir, digits, *common, processes=2), cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     latest = run_dir / "checkpoints" / "latest"
-    deadline = time.time() + 240
-    while not latest.exists() and first.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for(latest.exists, first)
     kill_process_tree(first.pid)                   # a crash: no clean shutdown, no final checkpoint
     first.wait()
     time.sleep(1)
-    assert latest.exists(), first.stderr.read().decode()[-3000:]
     assert not (run_dir / "finished.json").exists()
     killed_at = int(latest.read_text().strip().removeprefix("step"))
     time.sleep(2)                                  # nothing of the killed run goes on writing
     assert int(latest.read_text().strip().removeprefix("step")) == killed_at
-    killed_at = int(latest.read_text().strip().removeprefix("step"))
     assert killed_at >= 2 and killed_at % 2 == 0
     # every rank wrote its ZeRO-2 optimizer shard
     assert len(list((run_dir / "checkpoints" / latest.read_text().strip()).glob("*optim_states.pt"))) == 2
@@ -136,39 +234,106 @@ def test_two_processes_zero2_killed_then_resumed_at_the_right_step(digits, tmp_p
     second = run(pretrain_command(run_dir, digits, *common, f"engine.max_steps={stop}", processes=2))
     assert f"at step {killed_at} " in second.stdout
     assert json.loads((run_dir / "finished.json").read_text())["step"] == stop
-    export = torch.load(run_dir / "backbone.pth", weights_only=True)
-    assert export["step"] == stop
+    assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == stop
 
-    # The schedule continued where it stopped: every logged lr is the schedule's value at its step.
-    cfg = load_config(run_dir / "config.yaml")
-    steps_per_epoch = (1437 // 2) // 32
-    peak = scaled_lr(cfg, global_batch=2 * 32)
-    schedule = cosine_schedule(peak, cfg.optim.min_lr, cfg.optim.epochs * steps_per_epoch,
-                               int(cfg.optim.warmup_epochs * steps_per_epoch))
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # The schedule continued where it stopped: every logged lr is the hand-computed value of its step.
+    lines = logged(run_dir)
     assert [line["step"] for line in lines] == list(range(1, stop + 1))   # each step once, none lost
-    resumed = [line for line in lines if line["step"] > killed_at]
-    for line in resumed:
-        assert line["train/lr"] == pytest.approx(schedule[line["step"] - 1])
+    for line in lines:
+        assert line["train/lr"] == pytest.approx(hand_computed_lr(line["step"] - 1), rel=1e-9, abs=1e-12)
+        assert math.isfinite(line["train/loss"])
     events = EventAccumulator(str(run_dir / "tb")).Reload()
     assert [e.step for e in events.Scalars("train/lr")] == list(range(1, stop + 1))
 
+    # Resuming with another number of processes is refused by name, before DeepSpeed's shard loading fails.
+    one = run(pretrain_command(run_dir, digits, *common, f"engine.max_steps={stop + 1}"), expect=2)
+    assert "the number of processes was 2 and is now 1" in one.stderr
+    # A refused resume ends every rank with the message, none is left waiting.
+    clash = run(pretrain_command(run_dir, digits, *common, "model.arch=resnet34", processes=2), expect=1, timeout=120)
+    assert "[rank 0] error:" in clash.stderr and "[rank 1] error:" in clash.stderr
+    assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == stop
 
-def test_simsiam_zero3_accumulation_adamw_clipping_low_res_selection(digits, tmp_path):
-    """The other engine paths in one short run: ZeRO-3 (export gathers the partitioned backbone), two
-    micro-batches per optimizer step, AdamW, gradient clipping, selection at a lower resolution."""
+
+def test_divergence_stops_at_the_step_and_keeps_the_last_finite_checkpoint(digits, tmp_path):
     run_dir = tmp_path / "run"
-    config = ROOT / "configs/pretrain/simsiam_digits.yaml"
-    command = pretrain_command(run_dir, digits, "engine.zero_stage=3", "optim.grad_accum=2", "optim.name=adamw",
-                               "optim.lr=0.001", "optim.grad_clip=1.0", "hvs.enabled=true", "hvs.selection_size=8",
-                               "engine.max_steps=2", "engine.image_grid_every_steps=0", "model.pred_hidden_dim=16")
-    command[command.index(str(CONFIG))] = str(config)
-    run(command)
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2]
-    assert all(-1 <= line["train/loss"] <= 1 for line in lines)        # negative cosine
-    state = torch.load(run_dir / "checkpoints/step00000002/zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
-    assert state["batch_in_epoch"] == 4                                    # 2 steps x 2 micro-batches
+    diverging = ("optim.lr=1e20", "optim.warmup_epochs=0", "engine.checkpoint_every_steps=1",
+                 "engine.keep_checkpoints=1", "engine.max_steps=8", "engine.image_grid_every_steps=0")
+    failed = run(pretrain_command(run_dir, digits, *diverging), expect=1)
+    assert "training diverged in epoch 0: the loss is nan in step 2, which was not applied" in failed.stderr
+    assert "optim.lr (now 1e+20)" in failed.stderr and "step00000001" in failed.stderr
+    assert not (run_dir / "finished.json").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000001"]
+    module = torch.load(run_dir / "checkpoints/step00000001/mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert all(torch.isfinite(t).all() for t in module.values() if t.is_floating_point())
     export = torch.load(run_dir / "backbone.pth", weights_only=True)
-    assert export["step"] == 2
-    assert all(t.numel() > 0 for t in export["state_dict"].values())       # gathered, not ZeRO-3 placeholders
+    assert export["step"] == 1 and all(torch.isfinite(t).all() for t in export["state_dict"].values()
+                                       if t.is_floating_point())
+    assert [line["step"] for line in logged(run_dir)] == [1]
+
+    # A rerun resumes from the kept checkpoint, neither from scratch nor from a NaN one. Its weights are finite
+    # but already blown up by the one step at lr 1e20, so the next step diverges again, and says so.
+    again = run(pretrain_command(run_dir, digits, *diverging[1:], "optim.lr=0.1", "engine.max_steps=3"), expect=1)
+    assert "at step 1 " in again.stdout and "the loss is nan in step 2" in again.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000001"]
+
+
+def test_sigterm_finishes_the_step_saves_a_checkpoint_and_the_run_resumes(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ("engine.checkpoint_every_steps=0", "engine.image_grid_every_steps=0")   # only epoch ends: 44 steps
+    process = subprocess.Popen(pretrain_command(run_dir, digits, *common), cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    wait_for(lambda: logged_steps(run_dir) >= 2, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    stderr = stderr.decode()
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "SIGTERM: stopping after this optimizer step" in stderr and "stopped on a signal after step" in stderr
+    stopped_at = int(stderr.split("stopped on a signal after step ")[1].split(",")[0])
+    assert 2 <= stopped_at < 44
+    assert json.loads((run_dir / f"checkpoints/step{stopped_at:08d}/trainer_state.json").read_text())["step"] == stopped_at
+    assert [line["step"] for line in logged(run_dir)] == list(range(1, stopped_at + 1))   # no step lost
+
+    resumed = run(pretrain_command(run_dir, digits, *common, f"engine.max_steps={stopped_at + 2}"))
+    assert f"at step {stopped_at} " in resumed.stdout
+    assert [line["step"] for line in logged(run_dir)] == list(range(1, stopped_at + 3))
+
+
+def test_a_second_signal_exits_at_once():
+    script = (
+        "import os, signal, time, torch\n"
+        "from pretrain.graceful_stop import GracefulStop\n"
+        "stop = GracefulStop(repeat_window_s=0.5)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)   # within the window: the same request\n"
+        "print('requested', stop.requested_on_any_rank(torch.device('cpu')), flush=True)\n"
+        "time.sleep(0.6)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+        "print('still running', flush=True)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert f"requested {int(signal.SIGTERM)}" in result.stdout and "still running" not in result.stdout
+    assert "SIGTERM again: exiting now" in result.stderr
+
+
+def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    # No checkpoint before the end of epoch 0, which at 2 images per batch is 718 steps away.
+    common = ("engine.checkpoint_every_steps=0", "engine.image_grid_every_steps=0", "data.batch_size=2")
+    first = subprocess.Popen(pretrain_command(run_dir, digits, *common), cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    wait_for(lambda: logged_steps(run_dir) >= 2, first)
+    second = run(pretrain_command(run_dir, digits, *common, "engine.max_steps=3"), expect=2)
+    assert f"is in use by pid {first.pid}" in second.stderr and "another name=" in second.stderr
+    assert first.poll() is None                                     # the first run trains on, undisturbed
+    kill_process_tree(first.pid)
+    first.wait()
+    assert not list((run_dir / "checkpoints").glob("step*"))         # killed before its first checkpoint
+
+    third = run(pretrain_command(run_dir, digits, *common, "engine.max_steps=3"))
+    assert f"took over the lock of an earlier run (pid {first.pid}" in third.stderr
+    assert "that process no longer exists" in third.stderr
+    assert "fresh start: removed the logs of an earlier attempt" in third.stderr
+    assert [line["step"] for line in logged(run_dir)] == [1, 2, 3]
+    events = EventAccumulator(str(run_dir / "tb")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert not (run_dir / "run.lock").exists()                      # released at the end

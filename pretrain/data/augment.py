@@ -202,7 +202,8 @@ def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -
     return flat.view(count, channels, height, width)
 
 
-def _check_group(group: ViewGroup) -> None:
+def check_view_group(group: ViewGroup) -> None:
+    """Raise ValueError naming the first field of `group` that no view can be drawn with."""
     if group.count < 1 or group.size < 1:
         raise ValueError(f"ViewGroup needs count >= 1 and size >= 1, got count={group.count}, size={group.size}.")
     for name in ("flip_p", "jitter_p", "grayscale_p", "blur_p", "solarize_p"):
@@ -211,6 +212,16 @@ def _check_group(group: ViewGroup) -> None:
             raise ValueError(f"ViewGroup.{name} is a probability and must lie in [0, 1], got {value}.")
     if not 0 <= group.hue <= 0.5:
         raise ValueError(f"ViewGroup.hue must lie in [0, 0.5] (turns), got {group.hue}.")
+    for name in ("brightness", "contrast", "saturation"):
+        if not getattr(group, name) >= 0:
+            raise ValueError(f"ViewGroup.{name} must be >= 0, got {getattr(group, name)}.")
+    scale, ratio, sigma = tuple(group.scale), tuple(group.ratio), tuple(group.blur_sigma)
+    if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+        raise ValueError(f"ViewGroup.scale must satisfy 0 < min <= max <= 1, got {scale}; e.g. use [0.2, 1.0].")
+    if len(ratio) != 2 or not 0 < ratio[0] <= ratio[1]:
+        raise ValueError(f"ViewGroup.ratio must satisfy 0 < min <= max, got {ratio}; e.g. use [0.75, 1.333].")
+    if len(sigma) != 2 or not 0 < sigma[0] <= sigma[1]:
+        raise ValueError(f"ViewGroup.blur_sigma must satisfy 0 < min <= max, got {sigma}; e.g. use [0.1, 2.0].")
 
 
 def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGroup,
@@ -219,7 +230,7 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
 
     Returns views (B, n, 3, size, size) in [0, 1] (not normalised) and boxes (B, n, 4) float32 on canvas.device.
     """
-    _check_group(group)
+    check_view_group(group)
     batch = canvas.shape[0]
     n, size, device = group.count, group.size, canvas.device
     view_count = batch * n

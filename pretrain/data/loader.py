@@ -10,9 +10,11 @@ drawn from that one decode. Two backends share the ordering rules:
 
 Order of an epoch (both backends): a permutation of all images from a torch.Generator seeded with
 (seed, epoch), identical on every rank; rank r takes perm[r::world_size] truncated to the same length on
-every rank (disjoint shards), then consecutive batches. `epoch(e, start_batch=k)` continues that order at
-batch k without decoding the first k batches. Augmentation randomness is seeded from
-(seed, rank, epoch, start_batch), so a rerun gives the same views.
+every rank (disjoint shards), then consecutive batches; an epoch holds a whole number of optimizer steps
+(`batches_per_step`, the gradient-accumulation micro-batches): the incomplete last step is left out, so no
+step mixes two epochs. `epoch(e, start_batch=k)` continues that order at batch k without decoding the first
+k batches. Augmentation randomness is seeded per batch (FFCV: from (seed, rank, epoch, batch)) or per image
+(torchvision: from (seed, epoch, image)), so a resumed epoch draws exactly the views of an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from pretrain.data import DatasetError
 from pretrain.data.augment import augment_views, canvas_to_device, normalise
 from pretrain.data.views import ViewBatch, ViewGroup
 
@@ -53,9 +56,9 @@ class ViewLoader:
 
     def __init__(self, num_images: int, groups: list[ViewGroup], batch_size: int, *, device: torch.device,
                  mean: Sequence[float], std: Sequence[float], seed: int, rank: int, world_size: int,
-                 drop_last: bool):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+                 drop_last: bool, batches_per_step: int = 1):
+        if batch_size < 1 or batches_per_step < 1:
+            raise ValueError(f"batch_size and batches_per_step must be >= 1, got {batch_size} and {batches_per_step}.")
         if not groups:
             raise ValueError("groups is empty; pass at least one ViewGroup, e.g. [ViewGroup(count=2, size=32)].")
         self.num_images = num_images
@@ -65,13 +68,15 @@ class ViewLoader:
         self.mean, self.std = tuple(mean), tuple(std)
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.drop_last = drop_last
+        self.batches_per_step = batches_per_step
         self.samples_per_rank = num_images // world_size
         if self.samples_per_rank == 0:
             raise ValueError(f"The dataset has {num_images} images, fewer than world_size={world_size}.")
 
     def __len__(self) -> int:
         if self.drop_last:
-            return self.samples_per_rank // self.batch_size
+            batches = self.samples_per_rank // self.batch_size
+            return batches - batches % self.batches_per_step
         return -(-self.samples_per_rank // self.batch_size)
 
     def epoch_indices(self, epoch: int, start_batch: int = 0) -> np.ndarray:
@@ -81,8 +86,9 @@ class ViewLoader:
         order = rank_epoch_order(self.num_images, self.seed, epoch, self.rank, self.world_size)
         return order[start_batch * self.batch_size: len(self) * self.batch_size]
 
-    def augmentation_generator(self, epoch: int, start_batch: int) -> torch.Generator:
-        return seeded_generator(self.seed, self.rank, epoch, start_batch)
+    def augmentation_generator(self, epoch: int, batch: int) -> torch.Generator:
+        """The generator of every random draw of one batch: the same whether the epoch started at 0 or resumed."""
+        return seeded_generator(self.seed, self.rank, epoch, batch)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[ViewBatch]:
         raise NotImplementedError
@@ -103,12 +109,11 @@ class FFCVViewLoader(ViewLoader):
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[ViewBatch]:
         from pretrain.data.ffcv_loader import ffcv_batches
 
-        generator = self.augmentation_generator(epoch, start_batch)
-        for canvas, labels, indices, heights, widths in ffcv_batches(self.ffcv_loader,
-                                                                     self.epoch_indices(epoch, start_batch)):
+        batches = ffcv_batches(self.ffcv_loader, self.epoch_indices(epoch, start_batch))
+        for batch, (canvas, labels, indices, heights, widths) in enumerate(batches, start=start_batch):
             canvas = canvas_to_device(canvas, self.device)
             views, boxes = augment_views(canvas, torch.stack([heights, widths], dim=1), self.groups,
-                                         self.mean, self.std, generator)
+                                         self.mean, self.std, self.augmentation_generator(epoch, batch))
             yield ViewBatch(views=views, boxes=boxes, labels=labels.to(self.device),
                             indices=indices.to(self.device))
 
@@ -129,10 +134,9 @@ class TorchvisionViewLoader(ViewLoader):
         ordered = self.epoch_indices(epoch, start_batch).tolist()
         if not ordered:
             return
-        # The workers' random streams derive from this generator, so reruns draw the same views.
+        self.dataset.draw_seed = (self.seed, epoch)     # each image's views are drawn from (seed, epoch, image)
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=ordered, drop_last=self.drop_last,
-                            num_workers=self.num_workers, generator=self.augmentation_generator(epoch, start_batch),
-                            pin_memory=self.device.type == "cuda",
+                            num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
                             persistent_workers=False)
         non_blocking = self.device.type == "cuda"
         for views, boxes, labels, indices in loader:
@@ -145,7 +149,7 @@ def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int
                       device: torch.device | str = "cpu", canvas_size: int = 32,
                       mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                       num_workers: int = 2, seed: int = 0, rank: int = 0, world_size: int = 1,
-                      drop_last: bool = True) -> ViewLoader:
+                      drop_last: bool = True, batches_per_step: int = 1) -> ViewLoader:
     """Build the N-view loader for one rank.
 
     path:        a .beton from `python -m pretrain.data` (backend "ffcv") or an image folder with one
@@ -156,21 +160,37 @@ def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int
                  least the source resolution keeps full detail for small crops.
     mean, std:   normalisation of the views.
     seed, rank, world_size: ordering and sharding (see module docstring).
+    batches_per_step: micro-batches per optimizer step; an epoch holds whole steps (with drop_last).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    check_training_data(path, backend)
     common = dict(device=torch.device(device), mean=mean, std=std, seed=seed, rank=rank, world_size=world_size,
-                  drop_last=drop_last)
+                  drop_last=drop_last, batches_per_step=batches_per_step)
     if backend == "ffcv":
-        if Path(path).is_dir():
-            raise ValueError(f"{path} is a folder; the ffcv backend reads a .beton. Write one with "
-                             f"`python -m pretrain.data write --image-folder {path} --out OUT.beton`, or pass "
-                             f"backend='torchvision'.")
         return FFCVViewLoader(path, groups, batch_size, canvas_size=canvas_size, num_workers=num_workers, **common)
-    if not Path(path).is_dir():
-        raise ValueError(f"{path} is not a folder; the torchvision backend reads an image folder with one "
-                         f"sub-folder per class (the .beton format needs backend='ffcv').")
     return TorchvisionViewLoader(path, groups, batch_size, num_workers=num_workers, **common)
+
+
+def check_training_data(path: str | Path, backend: str) -> None:
+    """Raise DatasetError, in one line that says what to do, for training data the backend cannot read: a
+    missing path, a folder for FFCV, a file that is not a complete pretrain .beton, a file for torchvision."""
+    from pretrain.data.ffcv_loader import check_beton_fields
+
+    path = Path(path)
+    if backend not in BACKENDS:
+        raise DatasetError(f"data.backend={backend!r} is not one of {BACKENDS}")
+    if not path.exists():
+        raise DatasetError(f"data.train={str(path)!r} does not exist: write it first with `python -m pretrain.data "
+                           "write --image-folder DIR --out FILE.beton` (or `python -m pretrain.data write-digits "
+                           "--out-dir data/digits`)")
+    if backend == "ffcv":
+        if path.is_dir():
+            raise DatasetError(f"data.train={str(path)!r} is a folder, but data.backend=ffcv reads a .beton: write one "
+                               f"with `python -m pretrain.data write --image-folder {path} --out OUT.beton`, or set "
+                               "data.backend=torchvision to read the folder directly")
+        check_beton_fields(path)
+    elif not path.is_dir():
+        raise DatasetError(f"data.train={str(path)!r} is a file, but data.backend=torchvision reads an image folder "
+                           "(one sub-folder per class); for a .beton set data.backend=ffcv")
 
 
 class ImageLoader:

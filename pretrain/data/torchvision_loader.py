@@ -69,11 +69,22 @@ class ImageFolderViews(torch.utils.data.Dataset):
         self.paths, self.labels, self.class_names = list_image_folder(root)
         self.groups = list(groups)
         self.appearance = [appearance_transform(group, mean, std) for group in self.groups]
+        # (seed, epoch), set by the loader each epoch: image i's views are drawn from a generator seeded with
+        # (seed, epoch, i), whichever worker decodes it and wherever the epoch (re)started.
+        self.draw_seed: tuple[int, int] = (0, 0)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int):
+        from pretrain.data.loader import seeded_generator
+
+        # torchvision's transforms draw from torch's global generator: fork it so the caller's stays untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seeded_generator(*self.draw_seed, index).initial_seed())
+            return self.draw_views(index)
+
+    def draw_views(self, index: int):
         image = open_rgb(self.paths[index])                     # the one decode of this sample
         width, height = image.size
         group_views, group_boxes = [], []

@@ -1,0 +1,59 @@
+"""SIGINT / SIGTERM: finish the optimizer step under way, save a checkpoint, exit; a second signal exits at once.
+
+A handler only records the request; the training loop asks `requested_on_any_rank()` once per optimizer
+step, an all-reduce, so that every process stops after the same step even when the signal reached only
+one of them, and the checkpoint (a collective save under ZeRO) is written by all of them together.
+
+Launchers deliver one request twice: Ctrl-C reaches every process of the terminal's process group, and
+torchrun then forwards the signal to its workers again. A repeat within `repeat_window_s` of the first
+signal therefore counts as the same request; a signal after that exits at once with status 128 + signal.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(Exception):
+    """The run stopped on a signal after saving a checkpoint; rerunning the same command resumes it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class GracefulStop:
+    def __init__(self, repeat_window_s: float = 2.0):
+        self.repeat_window_s = repeat_window_s
+        self.signum: int | None = None
+        self.received_at = 0.0
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.monotonic()
+            print(f"{signal.Signals(signum).name}: stopping after this optimizer step, with a checkpoint "
+                  "(a second signal exits at once)", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.received_at > self.repeat_window_s:
+            print(f"{signal.Signals(signum).name} again: exiting now, without a checkpoint", file=sys.stderr,
+                  flush=True)
+            os._exit(128 + signum)
+
+    def requested_on_any_rank(self, device: torch.device) -> int | None:
+        """The signal number if any process received a stop signal (a collective: call it on every rank)."""
+        flag = torch.tensor([float(self.signum or 0)], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
