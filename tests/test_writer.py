@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
-
-pytest.importorskip("ffcv")
 
 from pretrain.data.digits import digits_images, digits_split, write_digits
 from pretrain.data.writer import classes_path, list_image_folder, skipped_report_path, write_image_folder
@@ -98,3 +99,96 @@ def test_cli_reports_a_missing_folder_and_has_help(tmp_path):
     helped = subprocess.run([sys.executable, "-m", "pretrain.data", "write", "--help"], cwd=REPO_ROOT,
                             capture_output=True, text=True)
     assert helped.returncode == 0 and "--max-side" in helped.stdout
+
+
+def write_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain.data", "write", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def folder_with_a_huge_photo(tmp_path_factory) -> Path:
+    """Two small images and one 6000 x 4000 JPEG (smooth, so it is quick to write and small on disk)."""
+    import cv2
+
+    root = tmp_path_factory.mktemp("huge") / "images"
+    (root / "a").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (40, 60, 3), dtype=np.uint8)).save(root / "a" / f"small{i}.jpg")
+    ramp = np.linspace(0, 255, 6000, dtype=np.float32)[None, :, None].repeat(4000, 0).repeat(3, 2)
+    cv2.imwrite(str(root / "a" / "huge.jpg"), ramp.astype(np.uint8))
+    return root
+
+
+def test_a_huge_photo_is_stored_at_the_default_max_side_and_nothing_hangs(folder_with_a_huge_photo, tmp_path):
+    """A 6000 x 4000 JPEG is larger than FFCV's default page: written as it was, an FFCV worker died and the
+    writer waited forever. The default now stores it at 512 px; `--max-side 0` keeps it, in larger pages."""
+    from pretrain.data import DatasetError
+    from pretrain.data.ffcv_loader import build_ffcv_loader
+
+    bounded = write_cli("--image-folder", str(folder_with_a_huge_photo), "--out", str(tmp_path / "bounded.beton"))
+    assert bounded.returncode == 0, bounded.stderr[-2000:]
+    fields = read_fields(tmp_path / "bounded.beton")
+    assert max(fields["height"].max(), fields["width"].max()) == 512
+    assert sorted(zip(fields["height"].tolist(), fields["width"].tolist()))[-1] == (341, 512)   # aspect kept
+
+    kept = write_cli("--image-folder", str(folder_with_a_huge_photo), "--out", str(tmp_path / "kept.beton"),
+                     "--max-side", "0")
+    assert kept.returncode == 0, kept.stderr[-2000:]
+    assert (4000, 6000) in zip(read_fields(tmp_path / "kept.beton")["height"].tolist(),
+                               read_fields(tmp_path / "kept.beton")["width"].tolist())
+    # Its decode buffers at batch 256 would need ~92 GB: refused by name, with the remedy, before FFCV allocates.
+    with pytest.raises(DatasetError, match=r"largest image is 4000 x 6000 px.*--max-side 512"):
+        build_ffcv_loader(tmp_path / "kept.beton", 32, 256, 1, drop_last=True)
+    build_ffcv_loader(tmp_path / "bounded.beton", 32, 256, 1, drop_last=True)      # the bounded one is fine
+
+
+def test_a_killed_write_leaves_the_previous_beton_untouched(tmp_path):
+    from ffcv.reader import Reader
+
+    out = tmp_path / "data.beton"
+    script = (
+        "import sys, time, numpy as np\n"
+        "from pretrain.data.writer import ArrayImageSet, write_beton\n"
+        "n, delay = int(sys.argv[2]), float(sys.argv[3])\n"
+        "def load(i):\n"
+        "    time.sleep(delay)\n"
+        "    return np.full((8, 8, 3), i % 255, np.uint8)\n"
+        "write_beton(sys.argv[1], ArrayImageSet(load, [0] * n, None), workers=1)\n"
+        "print('written', flush=True)\n")
+    first = subprocess.run([sys.executable, "-c", script, str(out), "5", "0"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert "written" in first.stdout, first.stderr[-2000:]
+    before = out.read_bytes()
+    slow = subprocess.Popen([sys.executable, "-c", script, str(out), "400", "0.05"], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 60
+    while not (tmp_path / ".data.beton.partial").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)                                          # well into writing the 400 samples
+    os.killpg(slow.pid, signal.SIGKILL)                      # the writer and its FFCV worker processes
+    slow.wait()
+    assert out.read_bytes() == before                        # the old file, whole
+    assert Reader(str(out)).num_samples == 5
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".beton") == ["data.beton"]
+
+
+def test_sixteen_bit_grayscale_png_is_scaled_to_eight_bits(tmp_path):
+    import cv2
+    from ffcv.fields.rgb_image import SimpleRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+
+    root = tmp_path / "images" / "gradients"
+    root.mkdir(parents=True)
+    gradient = np.linspace(0, 65535, 32).round().astype(np.uint16)[None, :].repeat(16, 0)
+    cv2.imwrite(str(root / "gray16.png"), gradient)
+    assert Image.open(root / "gray16.png").mode == "I;16"                  # what Pillow makes of it
+    write_image_folder(tmp_path / "images", tmp_path / "out.beton", write_mode="raw")
+    loader = Loader(str(tmp_path / "out.beton"), batch_size=1, num_workers=1, order=OrderOption.SEQUENTIAL,
+                    pipelines={"image": [SimpleRGBImageDecoder()], "label": None, "index": None, "height": None,
+                               "width": None})
+    (stored,) = next(iter(loader))
+    expected = np.rint(gradient / 257.0).astype(np.uint8)
+    for channel in range(3):
+        assert np.array_equal(np.asarray(stored[0][..., channel]), expected)

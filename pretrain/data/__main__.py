@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pretrain.data.writer import DEFAULT_MAX_SIDE
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pretrain.data",
@@ -16,8 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "OUT.skipped.txt, class names go to OUT.classes.json.")
     folder.add_argument("--image-folder", required=True, help="Folder with one sub-folder of images per class.")
     folder.add_argument("--out", required=True, help="Output .beton path (e.g. data/train.beton).")
-    folder.add_argument("--max-side", type=int, default=None,
-                        help="Shrink images whose longer side exceeds this many pixels (aspect kept). Default: keep.")
+    folder.add_argument("--max-side", type=int, default=DEFAULT_MAX_SIDE,
+                        help="Shrink images whose longer side exceeds this many pixels (aspect kept); 0 keeps every "
+                             "size. Loaders size their decode buffers for the largest stored image times the batch, "
+                             "so keep it near the sizes you train at. Default: %(default)s.")
     folder.add_argument("--write-mode", choices=("jpg", "raw"), default="jpg",
                         help="Store images as JPEG (small, decoded on load) or raw uint8 pixels. Default: jpg.")
     folder.add_argument("--jpeg-quality", type=int, default=90, help="JPEG quality for --write-mode jpg. Default: 90.")
@@ -40,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         from pretrain.data.writer import write_image_folder
 
         try:
-            report = write_image_folder(args.image_folder, args.out, max_side=args.max_side,
+            if args.max_side < 0:
+                raise ValueError(f"--max-side {args.max_side} must be a number of pixels, or 0 to keep every size")
+            report = write_image_folder(args.image_folder, args.out, max_side=args.max_side or None,
                                         write_mode=args.write_mode, jpeg_quality=args.jpeg_quality,
                                         workers=args.workers)
         except (FileNotFoundError, NotADirectoryError, ValueError) as error:

@@ -12,7 +12,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from pretrain.data.writer import ArrayImageSet, WriteReport, classes_path, write_beton
+from pretrain.data.writer import ArrayImageSet, WriteReport, classes_path, replace_atomically, write_beton
 
 DIGITS_SIDE = 32
 DIGITS_SPLIT_SEED = 0
@@ -59,8 +59,9 @@ def write_digits(out_dir: str | Path, *, force: bool = False, write_mode: str = 
     for split, rows in (("train", train), ("val", val)):
         dataset = ArrayImageSet(lambda i, rows=rows: images[rows[i]], labels[rows].tolist(), None)
         write_beton(targets[split], dataset, write_mode=write_mode, workers=workers)
-        classes_path(targets[split]).write_text(json.dumps(class_names))
+        replace_atomically(lambda tmp: tmp.write_text(json.dumps(class_names)), classes_path(targets[split]))
         reports.append(WriteReport(out_path=targets[split], written=len(rows), class_names=class_names))
-    (out_dir / "split.json").write_text(json.dumps({"train": train.tolist(), "val": val.tolist(),
-                                                    "seed": DIGITS_SPLIT_SEED, "val_fraction": DIGITS_VAL_FRACTION}))
+    split_record = json.dumps({"train": train.tolist(), "val": val.tolist(), "seed": DIGITS_SPLIT_SEED,
+                               "val_fraction": DIGITS_VAL_FRACTION})
+    replace_atomically(lambda tmp: tmp.write_text(split_record), out_dir / "split.json")
     return reports

@@ -7,6 +7,7 @@ batched over every view of the batch; the source height / width fields give aspe
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 from dataclasses import replace
@@ -24,7 +25,10 @@ from ffcv.pipeline.compiler import Compiler
 from ffcv.pipeline.state import State
 from ffcv.transforms import ToTensor
 
-from pretrain.data.writer import FIELD_NAMES
+from pretrain.data import DatasetError
+from pretrain.data.writer import DEFAULT_MAX_SIDE, FIELD_NAMES
+
+FFCV_BATCHES_IN_FLIGHT = 3 + 2      # ffcv.Loader's default batches_ahead (3), plus the 2 slots its iterator adds
 
 
 def _quiet_numba_finalizer_key_errors(unraisable, previous_hook=sys.unraisablehook) -> None:
@@ -97,17 +101,63 @@ class CanvasDecoder(SimpleRGBImageDecoder):
         return decode
 
 
-def check_beton_fields(path: str | Path) -> None:
-    """Raise a clear error when `path` is missing or is not a .beton written by `pretrain.data`."""
+def check_beton_fields(path: str | Path):
+    """Raise DatasetError, one line naming `path` and what to do, unless it is a complete .beton written by
+    `python -m pretrain.data`: missing, a folder, another file type, other fields, or a partial file (a
+    killed copy or write: the file ends before the samples its header records). Returns FFCV's Reader."""
     from ffcv.reader import Reader
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; write it with `python -m pretrain.data write ...` or "
-                                f"`python -m pretrain.data write-digits --out-dir DIR`.")
-    names = tuple(Reader(str(path)).handlers.keys())
+    write_it = "write one with `python -m pretrain.data write --image-folder DIR --out FILE.beton`"
+    if not path.exists():
+        raise DatasetError(f"{path} does not exist; {write_it} (or `python -m pretrain.data write-digits --out-dir DIR`)")
+    if path.is_dir():
+        raise DatasetError(f"{path} is a folder, not a .beton; {write_it}, or read the folder with "
+                           "data.backend=torchvision")
+    try:
+        reader = Reader(str(path))
+    except Exception as error:            # FFCV asserts on the version, numpy fails on short or foreign files
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        raise DatasetError(f"{path} is not a .beton that FFCV can read ({reason}); {write_it}") from None
+    names = tuple(reader.handlers.keys())
     if names != FIELD_NAMES:
-        raise ValueError(f"{path} has fields {names}, expected {FIELD_NAMES}; rewrite it with `python -m pretrain.data`.")
+        raise DatasetError(f"{path} has fields {names}, expected {FIELD_NAMES}: it was not written by "
+                           f"`python -m pretrain.data`; {write_it}")
+    size = path.stat().st_size
+    table = reader.alloc_table
+    recorded = int(reader.num_samples)
+    stored = len(np.unique(table["sample_id"])) if len(table) else 0
+    end = int((table["ptr"] + table["size"]).max()) if len(table) else 0
+    if int(reader.header["alloc_table_ptr"]) > size or stored < recorded or end > size:
+        raise DatasetError(f"{path} is incomplete: its header records {recorded} samples, but the file ends after "
+                           f"{size} bytes with {stored} of them (a write or copy that was cut short); write it again")
+    return reader
+
+
+def decode_buffer_bytes(path: str | Path, batch_size: int, output_pixels: int) -> tuple[int, int, int]:
+    """Bytes FFCV allocates for an epoch over `path`: every decoder slot (batches_ahead + 2 = 5 batches in
+    flight) holds, per image of the batch, a buffer for the LARGEST stored image plus the output. Returns
+    (bytes, largest height, largest width)."""
+    from ffcv.reader import Reader
+
+    metadata = Reader(str(path)).metadata[f"f{FIELD_NAMES.index('image')}"]    # FFCV names fields f0, f1, ...
+    largest = int(np.argmax(metadata["height"].astype(np.int64) * metadata["width"].astype(np.int64)))
+    height, width = int(metadata["height"][largest]), int(metadata["width"][largest])
+    return FFCV_BATCHES_IN_FLIGHT * batch_size * (height * width * 3 + output_pixels * 3), height, width
+
+
+def check_decode_memory(path: str | Path, batch_size: int, output_pixels: int, budget_bytes: int | None = None) -> None:
+    """Raise DatasetError when FFCV's decode buffers for `path` would take more than `budget_bytes` (default:
+    half of this machine's memory), naming the largest image and the remedies."""
+    needed, height, width = decode_buffer_bytes(path, batch_size, output_pixels)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    budget = total // 2 if budget_bytes is None else budget_bytes
+    if needed > budget:
+        raise DatasetError(
+            f"{path}: its largest image is {height} x {width} px, and FFCV sizes every decode buffer for it: batches "
+            f"of {batch_size} would take {needed / 1e9:.1f} GB ({FFCV_BATCHES_IN_FLIGHT} batches in flight), over "
+            f"{budget / 1e9:.1f} GB (half of this machine's memory). Rewrite it with `python -m pretrain.data write "
+            f"--image-folder DIR --out {path} --max-side {DEFAULT_MAX_SIDE}`, or lower the batch size")
 
 
 class ReorderableLoader(Loader):
@@ -125,9 +175,11 @@ class ReorderableLoader(Loader):
 
 
 def build_ffcv_loader(path: str | Path, canvas_size: int, batch_size: int, num_workers: int,
-                      drop_last: bool) -> ReorderableLoader:
-    """An FFCV loader over every field of a pretrain .beton, images decoded to canvases."""
+                      drop_last: bool, memory_budget_bytes: int | None = None) -> ReorderableLoader:
+    """An FFCV loader over every field of a pretrain .beton, images decoded to canvases. Refuses (DatasetError)
+    a file that is not a complete pretrain .beton, or whose decode buffers would not fit in memory."""
     check_beton_fields(path)
+    check_decode_memory(path, batch_size, canvas_size * canvas_size, memory_budget_bytes)
     integer_pipeline = [IntDecoder(), ToTensor()]
     pipelines = {"image": [CanvasDecoder(canvas_size), ToTensor()], "label": list(integer_pipeline),
                  "index": [IntDecoder(), ToTensor()], "height": [IntDecoder(), ToTensor()],
@@ -138,7 +190,8 @@ def build_ffcv_loader(path: str | Path, canvas_size: int, batch_size: int, num_w
 
 
 def ffcv_batches(loader: ReorderableLoader, ordered_indices: np.ndarray) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Iterate `loader` over `ordered_indices` in that order: (canvas uint8, label, index, height, width) per batch.
+    """Iterate `loader` over `ordered_indices` in that order: (images uint8, then every integer field as a (B,)
+    tensor: label, index, and height, width where the loader decodes them) per batch.
 
     When the caller stops early (closes this generator), FFCV's background thread is stopped and joined
     before this returns: see `stop_epoch_thread`.
@@ -148,8 +201,8 @@ def ffcv_batches(loader: ReorderableLoader, ordered_indices: np.ndarray) -> Iter
     loader.set_order(ordered_indices)
     epoch_iterator = iter(loader)
     try:
-        for canvas, label, index, height, width in epoch_iterator:
-            yield canvas, label.view(-1), index.view(-1), height.view(-1), width.view(-1)
+        for image, *integers in epoch_iterator:
+            yield (image, *(field.view(-1) for field in integers))
     finally:
         stop_epoch_thread(epoch_iterator)
 
@@ -180,3 +233,18 @@ def num_images_in(path: str | Path) -> int:
     from ffcv.reader import Reader
 
     return int(Reader(str(path)).num_samples)
+
+
+def build_ffcv_centre_crop_loader(path: str | Path, image_size: int, crop_fraction: float, batch_size: int,
+                                  num_workers: int) -> ReorderableLoader:
+    """An FFCV loader of evaluation crops: uint8 (B, S, S, 3) centre crops (FFCV's CenterCropRGBImageDecoder:
+    the centred square of side crop_fraction * shorter side, resized to S), labels and indices."""
+    from ffcv.fields.rgb_image import CenterCropRGBImageDecoder
+
+    check_beton_fields(path)
+    check_decode_memory(path, batch_size, image_size * image_size)
+    pipelines = {"image": [CenterCropRGBImageDecoder((image_size, image_size), ratio=crop_fraction), ToTensor()],
+                 "label": [IntDecoder(), ToTensor()], "index": [IntDecoder(), ToTensor()], "height": None,
+                 "width": None}
+    return ReorderableLoader(str(path), batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL,
+                             pipelines=pipelines, drop_last=False, indices=np.arange(1, dtype=np.uint64))

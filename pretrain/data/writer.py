@@ -11,10 +11,17 @@ not be read, `OUT.skipped.txt` (one `path<TAB>reason` per skipped image).
 
 Sources: an image folder with one sub-folder per class (`write_image_folder`) or any indexed array source
 (`write_beton`; the embedded digits set in `pretrain.data.digits` uses it).
+
+Every file is written under a temporary name and renamed when complete: a failed or killed write leaves
+the previous file (or none), never a `.beton` whose header claims samples it does not hold. Images are
+stored at most DEFAULT_MAX_SIDE px on their longer side unless asked otherwise: loaders size their decode
+buffers for the largest stored image times the batch, so one 6000 x 4000 photo would make every batch ask
+for gigabytes.
 """
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +30,17 @@ import cv2
 import numpy as np
 from PIL import Image
 
+from pretrain.data import DatasetError
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 FIELD_NAMES = ("image", "label", "index", "height", "width")
+DEFAULT_MAX_SIDE = 512          # longer side of stored images: ImageNet's typical ~400 x 350 px stay as they are
+# FFCV stores each sample within one page of the file (ffcv.writer: a power of two from 2 MiB to below 4 GiB);
+# a sample larger than the page kills an FFCV writer worker, and the writer's parent then waits forever.
+FFCV_DEFAULT_PAGE_SIZE = 8 << 20
+FFCV_MAX_PAGE_SIZE = 1 << 32
+# 16-bit grayscale modes of Pillow; convert("RGB") would clip them at 255 (nearly white images).
+SIXTEEN_BIT_GRAY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
 @dataclass
@@ -96,21 +112,60 @@ def limit_side(image: np.ndarray, max_side: int | None) -> np.ndarray:
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    """Decode an image file to an HWC uint8 RGB array; raises OSError / ValueError on unreadable files."""
+    """Decode an image file to an HWC uint8 RGB array; raises OSError / ValueError on unreadable files.
+
+    16-bit grayscale images (PNG) are scaled to 8 bits (value / 257); Pillow already reduces 16-bit RGB."""
     with Image.open(path) as image:
         image.load()               # decodes fully: truncated files fail here, not at write time
+        if image.mode in SIXTEEN_BIT_GRAY_MODES:
+            gray = np.asarray(image).astype(np.float64) / 257.0
+            gray = np.clip(np.rint(gray), 0, 255).astype(np.uint8)
+            return np.repeat(gray[..., None], 3, axis=2)
         return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
 
 
-def _check_readable(path: Path) -> str | None:
-    """None when `path` decodes to a non-empty RGB image, else the reason it cannot be used."""
+def _check_readable(path: Path) -> tuple[str | None, tuple[int, int]]:
+    """(None, (height, width)) when `path` decodes to a non-empty RGB image, else (the reason it cannot be
+    used, (0, 0))."""
     try:
         image = read_rgb(path)
     except Exception as error:     # PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBomb...)
-        return f"{type(error).__name__}: {error}".replace("\n", " ").replace("\t", " ")
+        return f"{type(error).__name__}: {error}".replace("\n", " ").replace("\t", " "), (0, 0)
     if image.ndim != 3 or image.shape[0] == 0 or image.shape[1] == 0:
-        return f"empty image of shape {image.shape}"
-    return None
+        return f"empty image of shape {image.shape}", (0, 0)
+    return None, (int(image.shape[0]), int(image.shape[1]))
+
+
+def stored_size(height: int, width: int, max_side: int | None) -> tuple[int, int]:
+    """(height, width) of an image once `limit_side` has shrunk it to `max_side`."""
+    if max_side is None or max(height, width) <= max_side:
+        return height, width
+    ratio = max_side / max(height, width)
+    return max(1, round(height * ratio)), max(1, round(width * ratio))
+
+
+def page_size_for(largest_pixels: int, largest_name: str = "the largest image") -> int:
+    """An FFCV page size (a power of two) that holds the largest stored image, raw or as a JPEG (which, for
+    noise at high quality, can come out a little larger than raw: twice raw is allowed for)."""
+    needed = 2 * 3 * largest_pixels + (1 << 16)
+    page = FFCV_DEFAULT_PAGE_SIZE
+    while page < needed:
+        page *= 2
+    if page >= FFCV_MAX_PAGE_SIZE:
+        raise DatasetError(f"{largest_name} has {largest_pixels} pixels, too many for one FFCV sample (under 4 GiB "
+                           f"per sample): write with --max-side {DEFAULT_MAX_SIDE} (the default) or another bound")
+    return page
+
+
+def replace_atomically(write, path: Path) -> None:
+    """Call `write(tmp)` to produce `path` under a temporary name in the same folder, then rename it onto
+    `path`; on any failure the temporary file is removed and `path` is untouched."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class ArrayImageSet:
@@ -130,8 +185,12 @@ class ArrayImageSet:
 
 
 def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str = "jpg",
-                jpeg_quality: int = 90, workers: int = 2) -> None:
-    """Write `dataset` to `out_path` with the fields listed in the module docstring."""
+                jpeg_quality: int = 90, workers: int = 2, largest_pixels: int = 0) -> None:
+    """Write `dataset` to `out_path` with the fields listed in the module docstring, atomically.
+
+    largest_pixels: height x width of the largest stored image, to size FFCV's pages (0: the default page,
+    enough for any image up to DEFAULT_MAX_SIDE).
+    """
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
 
@@ -143,39 +202,51 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fields = {"image": RGBImageField(write_mode=write_mode, jpeg_quality=jpeg_quality),
               "label": IntField(), "index": IntField(), "height": IntField(), "width": IntField()}
-    writer = DatasetWriter(str(out_path), fields, num_workers=max(1, workers))
-    writer.from_indexed_dataset(dataset, chunksize=64)
+    page_size = page_size_for(max(largest_pixels, DEFAULT_MAX_SIDE * DEFAULT_MAX_SIDE))
+
+    def write(tmp: Path) -> None:
+        DatasetWriter(str(tmp), fields, page_size=page_size, num_workers=max(1, workers)).from_indexed_dataset(
+            dataset, chunksize=64)
+
+    replace_atomically(write, out_path)
 
 
-def write_image_folder(image_folder: str | Path, out_path: str | Path, *, max_side: int | None = None,
+def write_image_folder(image_folder: str | Path, out_path: str | Path, *, max_side: int | None = DEFAULT_MAX_SIDE,
                        write_mode: str = "jpg", jpeg_quality: int = 90, workers: int = 2) -> WriteReport:
     """Write an image folder (one sub-folder per class) to `out_path` (.beton).
 
     Every image is decoded once up front; unreadable or corrupt ones are skipped, counted, and listed with
     the reason in `OUT.skipped.txt` (removed when nothing was skipped). Class names go to `OUT.classes.json`.
-    `max_side` shrinks larger images (longer side, aspect kept) before storing them.
+    `max_side` shrinks larger images (longer side, aspect kept) before storing them; None keeps every size.
     """
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side must be a positive number of pixels, got {max_side}.")
     paths, labels, class_names = list_image_folder(image_folder)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        problems = list(pool.map(_check_readable, paths))
+        checked = list(pool.map(_check_readable, paths))
+    problems = [problem for problem, _ in checked]
     kept = [(path, label) for path, label, problem in zip(paths, labels, problems) if problem is None]
     skipped = [(str(path), problem) for path, problem in zip(paths, problems) if problem is not None]
+    stored = [(stored_size(h, w, max_side), path) for (problem, (h, w)), path in zip(checked, paths) if problem is None]
 
     out_path = Path(out_path)
     report = WriteReport(out_path=out_path, written=len(kept), skipped=skipped, class_names=class_names)
     report_path = skipped_report_path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if skipped:
-        report_path.write_text("".join(f"{path}\t{reason}\n" for path, reason in skipped))
+        replace_atomically(lambda tmp: tmp.write_text("".join(f"{path}\t{reason}\n" for path, reason in skipped)),
+                           report_path)
     elif report_path.exists():
         report_path.unlink()
     if not kept:
         raise ValueError(f"None of the {len(paths)} images in {image_folder} could be read; reasons are in "
                          f"{report_path}.")
+    (largest_h, largest_w), largest_path = max(stored, key=lambda item: item[0][0] * item[0][1])
+    largest_pixels = largest_h * largest_w
+    page_size_for(largest_pixels, f"{largest_path} ({largest_h} x {largest_w} px as stored)")   # refuse up front
     kept_paths = [path for path, _ in kept]
     dataset = ArrayImageSet(lambda i: read_rgb(kept_paths[i]), [label for _, label in kept], max_side)
-    write_beton(out_path, dataset, write_mode=write_mode, jpeg_quality=jpeg_quality, workers=workers)
-    classes_path(out_path).write_text(json.dumps(class_names))
+    write_beton(out_path, dataset, write_mode=write_mode, jpeg_quality=jpeg_quality, workers=workers,
+                largest_pixels=largest_pixels)
+    replace_atomically(lambda tmp: tmp.write_text(json.dumps(class_names)), classes_path(out_path))
     return report

@@ -1,0 +1,74 @@
+"""Bad input to `python -m pretrain`, as a new user types it: each is refused before anything starts, with exit
+status 2 and one line (no traceback) that names the bad value and says what to do.
+
+(Resuming with another batch size or number of processes, a run directory in use, a full disk, a divergence:
+tests/test_pretrain_run.py. The data writer's and the evaluation's bad input: test_writer.py, test_eval.py.)
+"""
+from pathlib import Path
+
+import pytest
+
+from pretrain.__main__ import main
+from pretrain.data.digits import write_digits
+
+ROOT = Path(__file__).parents[1]
+CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("digits")
+    write_digits(out)
+    return out
+
+
+def refused(capsys, argv: list[str], *expected: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err                  # one line, no traceback
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optim.epochs=-1", "optim.epochs=-1 must be a finite number >= 1"),
+    ("optim.epochs=0", "optim.epochs=0 must be a finite number >= 1"),
+    ("optim.lr=-1", "optim.lr=-1.0 must be a finite number > 0"),
+    ("optim.lr=nan", "optim.lr=nan must be a finite number > 0"),
+    ("data.views.0.size=0", "data.views.0: ViewGroup needs count >= 1 and size >= 1, got count=2, size=0"),
+    ("model.arch=resnet181", "model.arch='resnet181' is not a timm model name; did you mean resnet18"),
+    ("engine.max_steps=-3", "engine.max_steps=-3 must be a finite number >= 0"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be a finite number >= 0"),
+    ("hvs.enabld=true", "did you mean 'hvs.enabled'"),
+    ("data.views.0.scale=[0.9,0.2]", "data.views.0: ViewGroup.scale must satisfy 0 < min <= max <= 1"),
+    ("data.eval_crop_fraction=1.5", "data.eval_crop_fraction=1.5 must lie in (0, 1]"),
+    ("optim.lr=[1", "is not valid YAML; quote it"),
+])
+def test_bad_values_are_refused_by_name(capsys, tmp_path, override, expected):
+    refused(capsys, ["--config", CONFIG, override, f"run_dir={tmp_path / 'run'}"], "config error: ", expected)
+    assert not (tmp_path / "run").exists()
+
+
+def test_invalid_yaml_and_a_list_at_the_top_level(capsys, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: x\noptim:\n  lr: [0.1\n")
+    refused(capsys, ["--config", str(broken)], f"config file '{broken}' is not valid YAML at line")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- name: x\n- optim: {lr: 0.1}\n")
+    refused(capsys, ["--config", str(listed)], "holds a list at its top level")
+
+
+def test_training_data_the_backend_cannot_read(capsys, tmp_path, digits):
+    run_dir = f"run_dir={tmp_path / 'run'}"
+    refused(capsys, ["--config", CONFIG, run_dir, f"data.train={tmp_path / 'nope.beton'}"], "does not exist",
+            "python -m pretrain.data write")
+    refused(capsys, ["--config", CONFIG, run_dir, f"data.train={tmp_path}"], "is a folder, but data.backend=ffcv")
+    refused(capsys, ["--config", CONFIG, run_dir, f"data.train={ROOT / 'README.md'}"], "README.md")
+    partial = tmp_path / "partial.beton"
+    whole = (digits / "train.beton").read_bytes()
+    partial.write_bytes(whole[: len(whole) // 2])
+    refused(capsys, ["--config", CONFIG, run_dir, f"data.train={partial}"], str(partial))
+    refused(capsys, ["--config", CONFIG, run_dir, f"data.train={digits / 'train.beton'}", "data.backend=torchvision"],
+            "is a file, but data.backend=torchvision reads an image folder")
+    assert not (tmp_path / "run").exists()
