@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from eval.features import (BackboneExport, EvaluationInputError, evaluation_image_size, extract_features,
-                           load_backbone_export, resolve_beton_path, resolve_checkpoint_path, resolve_device)
+from eval.features import (BackboneExport, EvaluationInputError, evaluation_crop_fraction, evaluation_image_size,
+                           extract_features, load_backbone_export, resolve_beton_path, resolve_checkpoint_path,
+                           resolve_device)
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe, train_linear_probe_on_views
 
@@ -38,6 +39,7 @@ class EvaluationInputs:
         if self.image_size is None:
             raise EvaluationInputError(f"the config in {self.checkpoint} has no data.views[0].size: "
                                        "pass --image-size PIXELS")
+        self.crop_fraction = args.crop_fraction or evaluation_crop_fraction(config)
         self.train_path = resolve_beton_path(args.train, config, "train")
         self.val_path = resolve_beton_path(args.val, config, "val")
         data = config.get("data", {})
@@ -60,13 +62,14 @@ class EvaluationInputs:
         return {"checkpoint": str(self.checkpoint.resolve()), "checkpoint_mtime_ns": stat.st_mtime_ns,
                 "checkpoint_bytes": stat.st_size, "train": str(self.train_path.resolve()),
                 "val": str(self.val_path.resolve()), "image_size": int(self.image_size),
+                "crop_fraction": self.crop_fraction,
                 "mean": list(self.mean), "std": list(self.std)}
 
     def image_loader(self, path: Path):
-        """All images of `path` in dataset order, resized to the evaluation size, without augmentation."""
+        """All images of `path` in dataset order, resized and centre-cropped, without augmentation."""
         from pretrain.data.loader import build_image_loader  # the FFCV data path is imported only when needed
         return build_image_loader(path, self.image_size, self.batch_size, device=self.device, mean=self.mean,
-                                  std=self.std, num_workers=self.num_workers)
+                                  std=self.std, num_workers=self.num_workers, crop_fraction=self.crop_fraction)
 
     def features(self) -> dict[str, torch.Tensor]:
         """`{train_features, train_labels, val_features, val_labels}` from the cache or a fresh extraction."""
@@ -150,27 +153,30 @@ def run_linear(args: argparse.Namespace) -> Path:
     features = inputs.features()
     num_train, num_val = len(features["train_labels"]), len(features["val_labels"])
     if args.augment:
-        protocol, tag = "linear_augmented", "eval/linear_augmented_top1"
+        protocol = "linear_augmented"
         num_classes = int(max(features["train_labels"].max(), features["val_labels"].max())) + 1
-        top1 = train_linear_probe_on_views(inputs.export.backbone, build_augmented_views(inputs, args),
+        accuracy = train_linear_probe_on_views(inputs.export.backbone, build_augmented_views(inputs, args),
                                            features["val_features"], features["val_labels"],
                                            num_classes=num_classes, epochs=args.epochs, lr=args.lr,
                                            momentum=args.momentum, weight_decay=args.weight_decay,
                                            device=inputs.device, seed=args.seed)
     else:
-        protocol, tag = "linear", "eval/linear_top1"
-        top1 = train_linear_probe(features["train_features"], features["train_labels"],
+        protocol = "linear"
+        accuracy = train_linear_probe(features["train_features"], features["train_labels"],
                                   features["val_features"], features["val_labels"], epochs=args.epochs,
                                   lr=args.lr, batch_size=args.batch_size, momentum=args.momentum,
                                   weight_decay=args.weight_decay, device=inputs.device, seed=args.seed)
     seconds = time.perf_counter() - started
-    path = write_results(inputs, protocol, top1, {tag: top1},
-                         {"epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size,
+    path = write_results(inputs, protocol, accuracy.final,
+                         {f"eval/{protocol}_top1": accuracy.final, f"eval/{protocol}_best_top1": accuracy.best},
+                         {"best_top1": accuracy.best, "best_epoch": accuracy.best_epoch,
+                          "epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size,
                           "augment": bool(args.augment), "seed": args.seed, "num_train": num_train,
                           "num_val": num_val, "seconds": round(seconds, 3)})
     title = "linear probe" + (" (augmented views)" if args.augment else " (cached features)")
     print_header(title, inputs, num_train, num_val, seconds)
-    print(f"  epochs {args.epochs}   top-1 {100 * top1:6.2f}%")
+    print(f"  epochs {args.epochs}   top-1 after the last epoch {100 * accuracy.final:6.2f}%   best "
+          f"{100 * accuracy.best:6.2f}% (epoch {accuracy.best_epoch}, chosen on the validation set)")
     print(f"results: {path}")
     return path
 
@@ -206,6 +212,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def crop_fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """The options every protocol shares: what to evaluate, on which data, where."""
     parser.add_argument("--run", metavar="RUN_DIR",
@@ -220,6 +234,10 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
                         help="validation .beton (default: data.val of the export's config)")
     parser.add_argument("--image-size", type=positive_int, metavar="PIXELS",
                         help="evaluation image side (default: data.views[0].size of the export's config)")
+    parser.add_argument("--crop-fraction", type=crop_fraction, metavar="F",
+                        help="centre crop side over the resized shorter side, in (0, 1]: 0.875 resizes to 256 and "
+                             "crops 224; 1.0 keeps the whole of a square image (default: data.eval_crop_fraction of "
+                             "the export's config)")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available), cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--num-workers", type=int, metavar="N",
@@ -252,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     linear = commands.add_parser("linear", help="linear probe on frozen features",
                                  description="Linear probe (MAE head: BatchNorm without affine, then Linear) trained "
                                              "with SGD + momentum and a cosine schedule on frozen features; reports "
-                                             "validation top-1.")
+                                             "validation top-1 after the last epoch (top1) and the best over epochs "
+                                             "(best_top1, as DINO's eval_linear.py; chosen on the validation set).")
     add_common_options(linear)
     linear.add_argument("--augment", action="store_true",
                         help="train on fresh RandomResizedCrop(0.08-1) + flip views every epoch through the frozen "
@@ -273,9 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pretrain.data import DatasetError
+
     try:
         args.handler(args)
-    except EvaluationInputError as error:
+    except (EvaluationInputError, DatasetError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -149,10 +149,22 @@ def load_backbone_export(path: str | Path, image_size: int | None = None) -> Bac
     except ValueError as error:
         raise EvaluationInputError(f"cannot rebuild the backbone of {path}: {error}") from None
     check_state_dict_fits(backbone, export["state_dict"], arch, stem, path)
+    non_finite = [name for name, tensor in export["state_dict"].items()
+                  if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if non_finite:
+        raise EvaluationInputError(
+            f"{path} holds NaN or inf in {len(non_finite)} tensors ({_describe_keys(non_finite)}): the run diverged "
+            f"before step {export.get('step')}, and its accuracy would be chance. Evaluate an earlier export, or rerun "
+            "the pretraining with a lower optim.lr (it stops at a non-finite loss and keeps the last finite checkpoint)")
     backbone.load_state_dict(export["state_dict"])
     backbone.eval()
     return BackboneExport(path=path, arch=arch, stem=stem, backbone=backbone, config=config,
                           epoch=int(export.get("epoch", 0)), step=int(export.get("step", 0)))
+
+
+def evaluation_crop_fraction(config: dict[str, Any]) -> float:
+    """data.eval_crop_fraction of the export's config; 0.875 (256 -> 224) for exports written before it existed."""
+    return float(config.get("data", {}).get("eval_crop_fraction", 0.875))
 
 
 def evaluation_image_size(config: dict[str, Any]) -> int | None:
@@ -164,7 +176,8 @@ def evaluation_image_size(config: dict[str, Any]) -> int | None:
 
 
 def resolve_beton_path(override: str | Path | None, config: dict[str, Any], split: str) -> Path:
-    """The .beton of `split` ("train" or "val"): the override when given, else config["data"][split]."""
+    """The data of `split` ("train" or "val"): the override when given, else config["data"][split]. An image
+    folder, or a complete pretrain .beton (anything else is refused with the reason)."""
     option = f"--{split}"
     if override is not None:
         path = Path(override)
@@ -176,6 +189,14 @@ def resolve_beton_path(override: str | Path | None, config: dict[str, Any], spli
     if not path.exists():   # a .beton, or an image folder (read without FFCV)
         raise EvaluationInputError(f"no .beton file or image folder at {path} (data.{split}): write it with "
                                    f"`python -m pretrain.data ...` or pass {option} FILE.beton (or an image folder)")
+    if path.is_file():
+        from pretrain.data import DatasetError
+        from pretrain.data.ffcv_loader import check_beton_fields
+
+        try:
+            check_beton_fields(path)
+        except DatasetError as error:
+            raise EvaluationInputError(f"{option} {path}: {error}") from None
     return path
 
 

@@ -5,6 +5,10 @@ a BatchNorm without affine parameters standardises the features (their scale dif
 methods and would otherwise need a per-method learning rate), then one linear layer. It is trained with
 SGD + momentum under a cosine learning-rate schedule, without weight decay.
 
+Both report validation top-1 after the last epoch (`ProbeAccuracy.final`, the headline number) and the best
+over epochs with its epoch (`best`, what DINO's eval_linear.py reports: a choice made on the validation
+set, so it is optimistic by construction).
+
 Two ways to feed it:
 - `train_linear_probe` on cached features (one forward of the backbone per image; fast, the default);
 - `train_linear_probe_on_views` on fresh RandomResizedCrop + flip views every epoch through the frozen
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,6 +33,20 @@ class ViewEpochs(Protocol):
     """What the augmented probe needs from a view loader: one iterable of `ViewBatch`es per epoch."""
 
     def epoch(self, epoch: int) -> Iterable[ViewBatch]: ...
+
+
+@dataclass
+class ProbeAccuracy:
+    """Validation top-1 (fractions) after the last epoch and at the best epoch (1-based)."""
+
+    final: float
+    best: float
+    best_epoch: int
+
+
+def accuracy_by_epoch(per_epoch: list[float]) -> ProbeAccuracy:
+    best_epoch = max(range(len(per_epoch)), key=lambda epoch: per_epoch[epoch])   # the first of equal ones
+    return ProbeAccuracy(final=per_epoch[-1], best=per_epoch[best_epoch], best_epoch=best_epoch + 1)
 
 
 class LinearProbe(nn.Module):
@@ -83,8 +102,8 @@ def _check_probe_inputs(train_labels: torch.Tensor, val_labels: torch.Tensor, ep
 def train_linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor,
                        val_features: torch.Tensor, val_labels: torch.Tensor, *,
                        epochs: int = 100, lr: float = 0.1, batch_size: int = 256, momentum: float = 0.9,
-                       weight_decay: float = 0.0, device: str | torch.device = "auto", seed: int = 0) -> float:
-    """Train `LinearProbe` on cached features and return its validation top-1 accuracy after the last epoch.
+                       weight_decay: float = 0.0, device: str | torch.device = "auto", seed: int = 0) -> ProbeAccuracy:
+    """Train `LinearProbe` on cached features; return its validation top-1 after the last and the best epoch.
 
     train_features: (N, D) float, train_labels: (N,) class indices; val_features / val_labels likewise.
     epochs, lr, batch_size, momentum, weight_decay: SGD with a per-step cosine schedule from `lr` to 0.
@@ -93,7 +112,7 @@ def train_linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor,
     seed: seeds the classifier's initialisation and the shuffling, so a run is reproducible.
 
     Example:
-        >>> top1 = train_linear_probe(train_x, train_y, val_x, val_y, epochs=100)
+        >>> top1 = train_linear_probe(train_x, train_y, val_x, val_y, epochs=100).final
     """
     num_classes = _check_probe_inputs(train_labels, val_labels, epochs, lr, batch_size)
     device = resolve_device(device)
@@ -105,8 +124,9 @@ def train_linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor,
     shuffle = torch.Generator().manual_seed(seed)
     steps_per_epoch = math.ceil(len(features) / batch_size)
     total_steps = epochs * steps_per_epoch
-    head.train()
+    per_epoch = []
     for epoch in range(epochs):
+        head.train()
         order = torch.randperm(len(features), generator=shuffle).to(device)
         for batch_index, start in enumerate(range(0, len(features), batch_size)):
             batch = order[start:start + batch_size]
@@ -119,15 +139,17 @@ def train_linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor,
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    return linear_probe_accuracy(head, val_features, val_labels)
+        per_epoch.append(linear_probe_accuracy(head, val_features, val_labels))
+    return accuracy_by_epoch(per_epoch)
 
 
 def train_linear_probe_on_views(backbone: nn.Module, view_batches_per_epoch: ViewEpochs,
                                 val_features: torch.Tensor, val_labels: torch.Tensor, *,
                                 num_classes: int, epochs: int = 100, lr: float = 0.1, momentum: float = 0.9,
                                 weight_decay: float = 0.0, device: str | torch.device = "auto",
-                                seed: int = 0) -> float:
-    """Train `LinearProbe` on augmented views through the frozen `backbone`; return val top-1 accuracy.
+                                seed: int = 0) -> ProbeAccuracy:
+    """Train `LinearProbe` on augmented views through the frozen `backbone`; return val top-1 after the last
+    and the best epoch.
 
     backbone: the frozen encoder; it stays in eval mode (BatchNorm statistics are not updated) and runs
       under `torch.no_grad()`.
@@ -151,8 +173,9 @@ def train_linear_probe_on_views(backbone: nn.Module, view_batches_per_epoch: Vie
         steps_per_epoch = len(view_batches_per_epoch)  # type: ignore[arg-type]
     except TypeError:
         steps_per_epoch = 1  # unknown length: the schedule moves once per epoch
-    head.train()
+    per_epoch = []
     for epoch in range(epochs):
+        head.train()
         for batch_index, batch in enumerate(view_batches_per_epoch.epoch(epoch)):
             progress = (epoch + min(batch_index, steps_per_epoch - 1) / steps_per_epoch) / epochs
             for group in optimizer.param_groups:
@@ -167,4 +190,5 @@ def train_linear_probe_on_views(backbone: nn.Module, view_batches_per_epoch: Vie
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    return linear_probe_accuracy(head, val_features, val_labels)
+        per_epoch.append(linear_probe_accuracy(head, val_features, val_labels))
+    return accuracy_by_epoch(per_epoch)

@@ -33,12 +33,13 @@ def evaluate(encode, cfg, device) -> dict[str, float]:
     size = cfg.data.views[0].size
     def features(path):
         loader = build_image_loader(path, size, 256, device=device, mean=tuple(cfg.data.mean),
-                                    std=tuple(cfg.data.std), num_workers=cfg.data.num_workers)
+                                    std=tuple(cfg.data.std), num_workers=cfg.data.num_workers,
+                                    crop_fraction=cfg.data.eval_crop_fraction)
         return extract_features(encode, loader, device)
     train_x, train_y = features(cfg.data.train)
     val_x, val_y = features(cfg.data.val)
     return {"knn": weighted_knn(train_x, train_y, val_x, val_y, ks=(20,))[20],
-            "linear": train_linear_probe(train_x, train_y, val_x, val_y, device=device)}
+            "linear": train_linear_probe(train_x, train_y, val_x, val_y, device=device).final}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,6 @@ import pytest
 import torch
 from PIL import Image
 
-pytest.importorskip("ffcv")
-
 from pretrain.data.augment import augment_views, sample_crop_boxes
 from pretrain.data.loader import build_image_loader, build_view_loader
 from pretrain.data.views import ViewGroup, pair_iou
@@ -150,6 +148,19 @@ def test_torchvision_backend_has_the_same_shapes_and_semantics(dataset):
     assert len(tail) == 1 and torch.equal(tail[0], batches[4].indices)
 
 
+def centre_crop_reference(path, size: int, crop_fraction: float) -> torch.Tensor:
+    """The evaluation crop by the book, with PIL: shorter side to size / crop_fraction, centre size x size."""
+    from torchvision.transforms import functional as TF
+
+    image = TF.center_crop(TF.resize(Image.open(path).convert("RGB"), round(size / crop_fraction)), size)
+    return (torch.tensor(np.asarray(image)).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
+
+
+def nearest(images: torch.Tensor, references: torch.Tensor) -> list[int]:
+    """For every image, the index of the reference it differs least from (mean absolute difference)."""
+    return (images[:, None] - references[None]).abs().mean(dim=(2, 3, 4)).argmin(dim=1).tolist()
+
+
 def test_image_loader_reads_every_image_in_order(dataset):
     loader = build_image_loader(dataset["beton"], 16, 10, mean=(0.5,) * 3, std=(0.25,) * 3, num_workers=1)
     batches = list(loader)
@@ -158,9 +169,10 @@ def test_image_loader_reads_every_image_in_order(dataset):
     assert images.shape == (44, 3, 16, 16)
     assert torch.equal(torch.cat([b[2] for b in batches]), torch.arange(44))
     assert (torch.cat([b[1] for b in batches]).numpy() == dataset["labels"]).all()
-    first = np.asarray(Image.open(sorted(dataset["folder"].rglob("*.jpg"))[0]).convert("RGB").resize((16, 16)))
-    reference = (torch.tensor(first).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
-    assert (images[0] - reference).abs().mean() < 0.3       # same picture (JPEG + resize filters differ)
+    paths = sorted(dataset["folder"].rglob("*.jpg"), key=lambda p: (p.parent.name, p.name))
+    reference = torch.stack([centre_crop_reference(path, 16, 0.875) for path in paths])
+    assert (images - reference).abs().mean() < 0.3               # the same crops (JPEG + resize filters differ)
+    assert nearest(images, reference) == list(range(44))        # each image is closest to its own reference
 
 
 def test_image_loader_reads_an_image_folder_without_ffcv_like_the_beton(dataset):
@@ -173,9 +185,27 @@ def test_image_loader_reads_an_image_folder_without_ffcv_like_the_beton(dataset)
     images_folder = torch.cat([b[0] for b in from_folder])
     images_beton = torch.cat([b[0].clone() for b in from_beton])
     assert images_folder.shape == images_beton.shape == (44, 3, 16, 16)
-    # The same pictures (the .beton holds re-encoded JPEGs and resizes through its canvas).
+    # The same pictures (the .beton holds re-encoded JPEGs; FFCV resizes with OpenCV, torchvision with PIL).
     assert (images_folder - images_beton).abs().mean() < 0.3
-    assert (images_folder - images_beton.roll(1, 0)).abs().mean() > 2 * (images_folder - images_beton).abs().mean()
+    assert nearest(images_folder, images_beton) == list(range(44))
+
+
+@pytest.mark.parametrize("crop_fraction", [1.0, 0.875])
+def test_evaluation_images_are_centre_crops_not_stretched(tmp_path, crop_fraction):
+    """A 32 x 64 image, red | green (the middle half) | blue: the evaluation crop of the shorter side is the
+    green middle, through FFCV and through torchvision alike; stretching the whole image would show red and
+    blue at the sides."""
+    stripes = np.zeros((32, 64, 3), np.uint8)
+    stripes[:, :16, 0] = stripes[:, 16:48, 1] = stripes[:, 48:, 2] = 255
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    Image.fromarray(stripes).save(tmp_path / "images" / "a" / "stripes.png")
+    write_image_folder(tmp_path / "images", tmp_path / "stripes.beton", write_mode="raw")
+    for source in (tmp_path / "images", tmp_path / "stripes.beton"):
+        loader = build_image_loader(source, 16, 1, mean=(0.0,) * 3, std=(1.0,) * 3, num_workers=0 if source.is_dir()
+                                    else 1, crop_fraction=crop_fraction)
+        (image, _, _), = list(loader)
+        red, green, blue = image[0].mean(dim=(1, 2)).tolist()
+        assert green > 0.97 and red < 0.03 and blue < 0.03, (source.name, red, green, blue)
 
 
 def test_full_crop_without_jitter_reproduces_the_canvas():

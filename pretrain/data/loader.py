@@ -194,19 +194,22 @@ def check_training_data(path: str | Path, backend: str) -> None:
 
 
 class ImageLoader:
-    """Whole images, resized, normalised, in dataset order, every image once (no drop_last).
+    """Evaluation images from a .beton, in dataset order, every image once (no drop_last): the shorter side
+    resized to image_size / crop_fraction, then the centre image_size x image_size crop (FFCV's
+    CenterCropRGBImageDecoder crops the centred square of side crop_fraction * shorter side from the full-
+    resolution decode and resizes it: the same thing, without an intermediate image).
 
     Iterating yields (images float (B, 3, S, S), labels (B,), indices (B,)) on the device.
     """
 
     def __init__(self, path: str | Path, image_size: int, batch_size: int, *, device: torch.device,
-                 mean: Sequence[float], std: Sequence[float], num_workers: int, canvas_size: int):
-        from pretrain.data.ffcv_loader import build_ffcv_loader, num_images_in
+                 mean: Sequence[float], std: Sequence[float], num_workers: int, crop_fraction: float):
+        from pretrain.data.ffcv_loader import build_ffcv_centre_crop_loader, num_images_in
 
         self.num_images = num_images_in(path)
-        self.image_size, self.batch_size, self.device = image_size, batch_size, device
+        self.batch_size, self.device = batch_size, device
         self.mean, self.std = tuple(mean), tuple(std)
-        self.ffcv_loader = build_ffcv_loader(path, canvas_size, batch_size, num_workers, drop_last=False)
+        self.ffcv_loader = build_ffcv_centre_crop_loader(path, image_size, crop_fraction, batch_size, num_workers)
 
     def __len__(self) -> int:
         return -(-self.num_images // self.batch_size)
@@ -214,23 +217,19 @@ class ImageLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         from pretrain.data.ffcv_loader import ffcv_batches
 
-        for canvas, labels, indices, _, _ in ffcv_batches(self.ffcv_loader, np.arange(self.num_images)):
-            images = canvas_to_device(canvas, self.device).permute(0, 3, 1, 2).float().div_(255)
-            if images.shape[-1] != self.image_size:
-                images = torch.nn.functional.interpolate(images, size=(self.image_size, self.image_size),
-                                                         mode="bilinear", antialias=True, align_corners=False)
-            yield (normalise(images.contiguous(), self.mean, self.std), labels.to(self.device),
-                   indices.to(self.device))
+        for crops, labels, indices in ffcv_batches(self.ffcv_loader, np.arange(self.num_images)):
+            images = canvas_to_device(crops, self.device).permute(0, 3, 1, 2).float().div_(255)
+            yield normalise(images.contiguous(), self.mean, self.std), labels.to(self.device), indices.to(self.device)
 
 
 class TorchvisionImageLoader:
     """The same output as `ImageLoader`, from an image folder through a torch DataLoader (no FFCV)."""
 
     def __init__(self, path: str | Path, image_size: int, batch_size: int, *, device: torch.device,
-                 mean: Sequence[float], std: Sequence[float], num_workers: int):
+                 mean: Sequence[float], std: Sequence[float], num_workers: int, crop_fraction: float):
         from pretrain.data.torchvision_loader import ImageFolderImages
 
-        self.dataset = ImageFolderImages(path, image_size, mean, std)
+        self.dataset = ImageFolderImages(path, image_size, mean, std, crop_fraction)
         self.num_images, self.batch_size, self.device = len(self.dataset), batch_size, device
         self.num_workers = num_workers
 
@@ -247,15 +246,17 @@ class TorchvisionImageLoader:
 
 def build_image_loader(path: str | Path, image_size: int, batch_size: int, *, device: torch.device | str = "cpu",
                        mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-                       num_workers: int = 2,
-                       canvas_size: int | None = None) -> ImageLoader | TorchvisionImageLoader:
-    """Evaluation loader (k-NN, linear probe) over ALL images in dataset order, no augmentation: each whole
-    image stretched to image_size x image_size. `path` is a .beton (FFCV, via a canvas_size canvas, default
-    image_size) or an image folder with one sub-folder per class (torchvision, for users without FFCV)."""
+                       num_workers: int = 2, crop_fraction: float = 0.875) -> ImageLoader | TorchvisionImageLoader:
+    """Evaluation loader (k-NN, linear probe, transfer) over ALL images in dataset order, no augmentation: the
+    standard resize of the shorter side to image_size / crop_fraction and centre crop of image_size (0.875:
+    256 -> 224). `path` is a .beton (FFCV) or an image folder with one sub-folder per class (torchvision, for
+    users without FFCV); both give the same crops up to interpolation."""
     if image_size < 1 or batch_size < 1:
         raise ValueError(f"image_size and batch_size must be >= 1, got {image_size} and {batch_size}.")
+    if not 0 < crop_fraction <= 1:
+        raise ValueError(f"crop_fraction={crop_fraction} must lie in (0, 1]: 0.875 crops 224 of 256, 1.0 keeps the "
+                         "whole of a square image")
+    common = dict(device=torch.device(device), mean=mean, std=std, num_workers=num_workers, crop_fraction=crop_fraction)
     if Path(path).is_dir():
-        return TorchvisionImageLoader(path, image_size, batch_size, device=torch.device(device), mean=mean,
-                                      std=std, num_workers=num_workers)
-    return ImageLoader(path, image_size, batch_size, device=torch.device(device), mean=mean, std=std,
-                       num_workers=num_workers, canvas_size=canvas_size or image_size)
+        return TorchvisionImageLoader(path, image_size, batch_size, **common)
+    return ImageLoader(path, image_size, batch_size, **common)

@@ -47,12 +47,14 @@ def open_rgb(path: Path) -> Image.Image:
 
 
 class ImageFolderImages(torch.utils.data.Dataset):
-    """Image folder -> (whole image stretched to image_size x image_size, normalised; label; index): the
-    evaluation input without FFCV, as the FFCV evaluation loader stretches the whole image too."""
+    """Image folder -> (the evaluation crop, normalised; label; index): the shorter side resized to
+    image_size / crop_fraction, then the centre image_size crop, as the FFCV evaluation loader does."""
 
-    def __init__(self, root: str | Path, image_size: int, mean: Sequence[float], std: Sequence[float]):
+    def __init__(self, root: str | Path, image_size: int, mean: Sequence[float], std: Sequence[float],
+                 crop_fraction: float = 0.875):
         self.paths, self.labels, self.class_names = list_image_folder(root)
-        self.transform = transforms.Compose([transforms.Resize((image_size, image_size), antialias=True),
+        self.transform = transforms.Compose([transforms.Resize(round(image_size / crop_fraction), antialias=True),
+                                             transforms.CenterCrop(image_size),
                                              transforms.ToTensor(), transforms.Normalize(mean, std)])
 
     def __len__(self) -> int:
