@@ -4,6 +4,7 @@ directory, a corrupt newest checkpoint, a torn metrics line, a stale build lock 
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -337,3 +338,36 @@ def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(di
     events = EventAccumulator(str(run_dir / "tb")).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     assert not (run_dir / "run.lock").exists()                      # released at the end
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_last_complete_one_and_the_run_resumes(digits, tmp_path):
+    """A real full disk: the run directory on a 170 MB tmpfs, mounted in a private mount namespace (nothing
+    leaks out of the test). A checkpoint here is 86 MB and the export 43 MB: the first checkpoint fits, the
+    second does not. Then the tmpfs grows and the same command resumes."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    command = " ".join(shlex.quote(part) for part in pretrain_command(
+        disk / "run", digits, "engine.checkpoint_every_steps=2", "engine.keep_checkpoints=1", "engine.max_steps=6",
+        "engine.image_grid_every_steps=0"))
+    script = f"""
+        mount -t tmpfs -o size=170m tmpfs {disk}
+        {command} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.code
+        ls {disk}/run/checkpoints > {out}/after_first.txt; cp {disk}/run/checkpoints/latest {out}/latest
+        mount -o remount,size=400m {disk}
+        {command} > {out}/second.out 2> {out}/second.err; echo $? > {out}/second.code
+        cp {disk}/run/metrics.jsonl {out}/
+    """
+    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
+        ["unshare", "--user", "--map-root-user", "--mount"]
+    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=300)
+
+    first_error = (out / "first.err").read_text()
+    assert (out / "first.code").read_text().strip() == "2", first_error[-3000:]
+    assert "could not write checkpoint" in first_error and "step00000004: no space left on device" in first_error
+    assert "the last complete checkpoint is step00000002" in first_error
+    assert (out / "after_first.txt").read_text().split() == ["latest", "step00000002"]   # partial one removed
+    assert (out / "latest").read_text() == "step00000002"
+    assert (out / "second.code").read_text().strip() == "0", (out / "second.err").read_text()[-3000:]
+    assert "resumed" in (out / "second.out").read_text() and "at step 2 " in (out / "second.out").read_text()
+    assert [line["step"] for line in logged(out)] == [1, 2, 3, 4, 5, 6]
