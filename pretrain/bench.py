@@ -156,7 +156,7 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
     torch.manual_seed(0)
     method = build_method(cfg)
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
-    engine, _, _, _ = deepspeed.initialize(model=method, optimizer=optimizer, config=deepspeed_config(cfg, False))
+    engine, _, _, _ = deepspeed.initialize(model=method, optimizer=optimizer, config=deepspeed_config(cfg))
     batch = cfg.data.batch_size
     groups = views_to_draw(cfg)
     views = [torch.randn(batch, g.count, 3, g.size, g.size) for g in groups]

@@ -99,7 +99,8 @@ def describe_write_error(error: Exception, directory: Path) -> str:
         free = shutil.disk_usage(directory).free
     except OSError:
         free = None
-    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in reason or (free is not None and free < 1 << 20):
+    full = free is not None and free < 1 << 20
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in reason or full:
         return f"no space left on device ({reason})"
     return reason
 
@@ -136,9 +137,9 @@ def save_checkpoint(engine, checkpoint_dir: Path, trainer_state: dict, client_st
             shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)
         dist.barrier()
         last = f"the last complete checkpoint is {previous[0]}" if previous else "no complete checkpoint exists yet"
-        raise CheckpointError(f"could not write checkpoint {checkpoint_dir / tag}: {failure or 'failed on another process'}"
-                              f". The partial checkpoint was removed; {last}. Free space, then rerun the same "
-                              "command to resume from it.")
+        reason = failure or "failed on another process"
+        raise CheckpointError(f"could not write checkpoint {checkpoint_dir / tag}: {reason}. The partial checkpoint "
+                              f"was removed; {last}. Free space, then rerun the same command to resume from it.")
     if dist.get_rank() == 0 and keep > 0:
         complete = complete_checkpoints(checkpoint_dir)
         for old in complete[keep:]:

@@ -282,7 +282,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.eval_crop_fraction={cfg.data.eval_crop_fraction} must lie in (0, 1]: 0.875 for "
                           "the standard 256 -> 224 centre crop, 1.0 for the whole image")
     if cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays to min_lr")
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays "
+                          "from optim.lr to min_lr")
     for index, group in enumerate(views_to_draw(cfg)):
         try:
             check_view_group(group)

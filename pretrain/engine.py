@@ -136,8 +136,8 @@ def denormalise(views: torch.Tensor, cfg: DictConfig) -> torch.Tensor:
 def train(cfg: DictConfig) -> Path:
     """Run (or resume) the pretraining described by `cfg`; return the run directory.
 
-    Raises ConfigError, pretrain.data.DatasetError, CheckpointError, RunDirectoryInUse (bad input: nothing was trained),
-    TrainingDiverged and StopRequested (a signal: a checkpoint was saved), on every rank.
+    Raises, on every rank: ConfigError, pretrain.data.DatasetError, CheckpointError, RunDirectoryInUse (bad
+    input: nothing was trained); TrainingDiverged; StopRequested (a signal: a checkpoint was saved).
     """
     # ==== processes, run directory, seeds ====
     check_training_data(cfg.data.train, cfg.data.backend)        # before any process group or worker starts

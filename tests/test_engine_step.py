@@ -83,8 +83,8 @@ def bf16_runs_for_every_method_and_stage() -> dict:
                         views = [v[:, :count] for v, count in zip(views, method.train_counts)]
                         boxes = [b[:, :count] for b, count in zip(boxes, method.train_counts)]
                     set_schedule_values(optimizer, 0.001, 0.0, 0.001, step)
-                    loss, _ = train_step(engine, method, views, boxes, labels, OmegaConf.create(hvs), random.Random(step),
-                                         bf16=precision == "bf16")
+                    loss, _ = train_step(engine, method, views, boxes, labels, OmegaConf.create(hvs),
+                                         random.Random(step), bf16=precision == "bf16")
                     method.after_step(engine.global_steps)
                     step_losses.append(loss.item())
                 losses[precision] = step_losses

@@ -244,3 +244,29 @@ def test_lowest_iou_chosen_counts_a_pick_tied_at_the_minimum():
         assert stats["hvs/lowest_iou_chosen_frac"] == 1.0
     other = next(c for c in range(12) if c not in lowest)
     assert selection_stats(torch.zeros(1, 12), torch.tensor([other]), boxes, table, 2)["hvs/lowest_iou_chosen_frac"] == 0.0
+
+
+@pytest.mark.parametrize("config", METHOD_CONFIGS)
+def test_every_method_selects_the_brute_force_argmax_in_train_mode(config):
+    """For every method, in the mode the engine trains in: the chosen candidate of each sample is the argmax
+    of its losses computed one candidate at a time (`sample_loss`) on a forward of the same pool."""
+    from pretrain.config import load_config, views_to_draw
+    from pretrain.methods import build_method
+
+    root = Path(__file__).parents[1] / "configs/pretrain"
+    cfg = load_config(root / config, ["hvs.enabled=true", "model.proj_hidden_dim=32", "model.proj_out_dim=16",
+                                      *(["method.out_dim=64"] if config.startswith("dino") else [])])
+    torch.manual_seed(0)
+    method = build_method(cfg).train()
+    g = torch.Generator().manual_seed(4)
+    views = [torch.randn(6, group.count, 3, group.size, group.size, generator=g) for group in views_to_draw(cfg)]
+    boxes = [torch.rand(6, v.shape[1], 4, generator=g).sort(dim=-1).values[..., [0, 2, 1, 3]] for v in views]
+    labels = torch.arange(6) % 3
+    selection = select_hard_views(method, method, views, boxes, labels, method.train_counts, max_candidates=20,
+                                  rng=random.Random(0))
+    scored = candidate_combinations(method.train_counts, [v.shape[1] for v in views], 20, random.Random(0))
+    with torch.no_grad():
+        outputs = {name: tensor.float() for name, tensor in method(views).items()}
+        losses = torch.stack([method.sample_loss(outputs, combination, labels) for combination in scored], dim=1)
+    assert selection.chosen.tolist() == [list(scored[i]) for i in losses.argmax(dim=1).tolist()]
+    torch.testing.assert_close(selection.scores, losses, rtol=1e-4, atol=1e-5)

@@ -110,7 +110,8 @@ def check_beton_fields(path: str | Path):
     path = Path(path)
     write_it = "write one with `python -m pretrain.data write --image-folder DIR --out FILE.beton`"
     if not path.exists():
-        raise DatasetError(f"{path} does not exist; {write_it} (or `python -m pretrain.data write-digits --out-dir DIR`)")
+        raise DatasetError(f"{path} does not exist; {write_it} (or `python -m pretrain.data write-digits "
+                           "--out-dir DIR`)")
     if path.is_dir():
         raise DatasetError(f"{path} is a folder, not a .beton; {write_it}, or read the folder with "
                            "data.backend=torchvision")
