@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import timm
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -39,7 +40,27 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
         stride = 1 if stem == "small" else 2
         backbone.conv1 = nn.Conv2d(3, backbone.conv1.out_channels, 3, stride, 1, bias=False)
         backbone.maxpool = nn.Identity()
+    for module in backbone.modules():
+        if type(module) is nn.Conv2d and max(module.stride) > 1 and max(module.kernel_size) > 1:
+            module.__class__ = StridedConv2d        # same parameters and state_dict; see its docstring
     return backbone
+
+
+class StridedConv2d(nn.Conv2d):
+    """nn.Conv2d that computes a strided convolution of a single-pixel input in fp32 under CPU bf16 autocast.
+
+    oneDNN's bf16 weight gradient of a strided k x k convolution (k > 1) of a 1 x 1 input is garbage on the CPU
+    (torch 2.13: values up to 1e35 or NaN in the kernel taps that only see padding, different every call), so
+    a CPU bf16 run whose small views reach 1 x 1 before a ResNet's stride-2 convolution (8 px views with the
+    stride-2 stem, or a low-resolution selection pass) would diverge at once. Those convolutions cost nothing
+    at one pixel; everything else keeps bf16. GPUs (cuDNN) are not affected; fp32 is not affected.
+    """
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if input.shape[-2:] == (1, 1) and input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return super()._conv_forward(input.float(), weight.float(), None if bias is None else bias.float())
+        return super()._conv_forward(input, weight, bias)
 
 
 def backbone_from_config(cfg: DictConfig) -> nn.Module:

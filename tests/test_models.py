@@ -1,0 +1,34 @@
+"""The backbone factory: the bf16 path on the CPU gives sound gradients where oneDNN's does not."""
+import torch
+
+from pretrain.models import StridedConv2d, create_backbone
+
+
+def test_bf16_gradients_of_single_pixel_strided_convolutions_are_sound_on_the_cpu():
+    # 8 px views through the stride-2 stem reach layer4's stride-2 3x3 convolution at 1 x 1. Only the centre tap
+    # of its kernel sees the pixel, so the other taps' gradient is exactly 0; oneDNN's bf16 weight gradient puts
+    # garbage there (up to 1e35, or NaN, different every call). StridedConv2d computes that case in fp32.
+    torch.manual_seed(0)
+    backbone = create_backbone("resnet18", "small_stride2", zero_init_residual=False)   # gradients reach conv1
+    conv = backbone.layer4[0].conv1
+    assert isinstance(conv, StridedConv2d) and conv.stride == (2, 2) and conv.kernel_size == (3, 3)
+    images = torch.randn(48, 3, 8, 8)
+    for _ in range(5):                 # the garbage differs from call to call: look several times
+        backbone.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            features = backbone(images)
+        features.float().sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in backbone.parameters())
+        padding_only = torch.ones(3, 3, dtype=torch.bool)
+        padding_only[1, 1] = False
+        assert conv.weight.grad[:, :, padding_only].abs().max() == 0
+        assert conv.weight.grad[:, :, 1, 1].abs().max() > 0
+
+
+def test_the_swapped_convolution_keeps_the_state_dict_of_timm():
+    import timm
+
+    ours = create_backbone("resnet50").state_dict()
+    theirs = timm.create_model("resnet50", num_classes=0).state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].shape == theirs[k].shape for k in ours)
