@@ -17,7 +17,8 @@ def _worker(rank: int, port: int, queue) -> None:
     norm.running_var.fill_(1.0 + 2 * rank)           # rank 0: 1, rank 1: 3
     norm.num_batches_tracked.fill_(5 + rank)         # integer buffers are left alone
     average_buffers(norm)
-    queue.put((rank, norm.running_mean.clone(), norm.running_var.clone(), int(norm.num_batches_tracked)))
+    # numpy, not tensors: a tensor is passed as a file descriptor that dies with this process
+    queue.put((rank, norm.running_mean.numpy().copy(), norm.running_var.numpy().copy(), int(norm.num_batches_tracked)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -32,6 +33,6 @@ def test_average_buffers_across_two_processes(free_port):
     for p in procs:
         p.join(60)
     for rank, (mean, var, tracked) in results.items():
-        torch.testing.assert_close(mean, torch.full((3,), 0.5))
-        torch.testing.assert_close(var, torch.full((3,), 2.0))
+        torch.testing.assert_close(torch.from_numpy(mean), torch.full((3,), 0.5))
+        torch.testing.assert_close(torch.from_numpy(var), torch.full((3,), 2.0))
         assert tracked == 5 + rank

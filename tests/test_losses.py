@@ -53,7 +53,7 @@ def _gathered_worker(rank, port, z_a, z_b, queue):
     b = z_b[rank * half:(rank + 1) * half].clone()
     loss = nt_xent_per_sample(a, b, 0.3, gather_negatives=True)
     loss.sum().backward()
-    queue.put((rank, loss.detach(), a.grad))
+    queue.put((rank, loss.detach().numpy(), a.grad.numpy()))   # numpy: a tensor's fd dies with this process
     dist.barrier()
     dist.destroy_process_group()
 
@@ -71,7 +71,7 @@ def test_nt_xent_gathered_negatives_equal_one_big_batch(free_port):
     procs = [ctx.Process(target=_gathered_worker, args=(r, free_port, z_a, z_b, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((r, (l, g)) for r, l, g in (queue.get() for _ in procs))
+    results = dict((r, (torch.from_numpy(l), torch.from_numpy(g))) for r, l, g in (queue.get() for _ in procs))
     for p in procs:
         p.join(60)
     losses = torch.cat([results[0][0], results[1][0]])

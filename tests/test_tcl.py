@@ -234,8 +234,8 @@ def _gathered_worker(rank, port, z, labels, queue):
             local_labels = labels[rank * half:(rank + 1) * half] if use_labels else None
             loss = loss_fn(local, local_labels, True)
             loss.sum().backward()
-            results.append((loss.detach(), local.grad))
-    queue.put((rank, results))
+            results.append((loss.detach().numpy(), local.grad.numpy()))
+    queue.put((rank, results))   # numpy: a tensor is passed as a file descriptor that dies with this process
     dist.barrier()
     dist.destroy_process_group()
 
@@ -258,7 +258,7 @@ def test_gathered_negatives_equal_one_big_batch(free_port):
             whole = z.clone().requires_grad_()
             expected = loss_fn(whole, labels if use_labels else None, False)
             expected.sum().backward()
-            got = [results[rank][index] for rank in (0, 1)]
+            got = [[torch.from_numpy(array) for array in results[rank][index]] for rank in (0, 1)]
             torch.testing.assert_close(torch.cat([got[0][0], got[1][0]]), expected.detach())
             torch.testing.assert_close(torch.cat([got[0][1], got[1][1]]), whole.grad)
             index += 1

@@ -1,1 +1,1 @@
-"""Transfer stages (fine-tuning, Detectron2 detection) reading RUN_DIR/backbone.pth: not built yet."""
+"""Transfer stages reading RUN_DIR/backbone.pth: fine-tuning and detection (`python -m transfer --help`)."""

@@ -16,14 +16,19 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from ffcv.fields.basics import IntDecoder
-from ffcv.fields.rgb_image import IMAGE_MODES, SimpleRGBImageDecoder
-from ffcv.libffcv import imdecode, memcpy, resize_crop
-from ffcv.loader import Loader, OrderOption
-from ffcv.pipeline.allocation_query import AllocationQuery
-from ffcv.pipeline.compiler import Compiler
-from ffcv.pipeline.state import State
-from ffcv.transforms import ToTensor
+
+from pretrain.data.numba_cache import cache_numba_typed_dict
+
+cache_numba_typed_dict()    # before FFCV's import compiles its typed Dict (5 s in every process otherwise)
+
+from ffcv.fields.basics import IntDecoder  # noqa: E402
+from ffcv.fields.rgb_image import IMAGE_MODES, SimpleRGBImageDecoder  # noqa: E402
+from ffcv.libffcv import imdecode, memcpy, resize_crop  # noqa: E402
+from ffcv.loader import Loader, OrderOption  # noqa: E402
+from ffcv.pipeline.allocation_query import AllocationQuery  # noqa: E402
+from ffcv.pipeline.compiler import Compiler  # noqa: E402
+from ffcv.pipeline.state import State  # noqa: E402
+from ffcv.transforms import ToTensor  # noqa: E402
 
 from pretrain.data import DatasetError
 from pretrain.data.writer import DEFAULT_MAX_SIDE, FIELD_NAMES

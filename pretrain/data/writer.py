@@ -191,6 +191,9 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
     largest_pixels: height x width of the largest stored image, to size FFCV's pages (0: the default page,
     enough for any image up to DEFAULT_MAX_SIDE).
     """
+    from pretrain.data.numba_cache import cache_numba_typed_dict
+
+    cache_numba_typed_dict()                # before FFCV's import compiles its typed Dict
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
 
