@@ -95,22 +95,37 @@ class EvaluationInputs:
 # ============ outputs: JSON, TensorBoard, console ============
 
 
+def result_path(run_dir: Path, protocol: str, step: int) -> Path:
+    """RUN_DIR/eval/{protocol}_step{step:07d}.json: one result per protocol and export step."""
+    return Path(run_dir) / "eval" / f"{protocol}_step{step:07d}.json"
+
+
 def write_results(inputs: EvaluationInputs, protocol: str, top1: dict[str, float] | float,
                   scalars: dict[str, float], details: dict[str, Any]) -> Path:
-    """Write RUN_DIR/eval/{protocol}_step{step:07d}.json and the TensorBoard `scalars` at the export's step."""
+    """Write the TensorBoard `scalars` at the export's step, then RUN_DIR/eval/{protocol}_step{step:07d}.json.
+
+    The JSON, written last and atomically, records the evaluation as done. The scalars go to an event file of
+    their own, named after the result, which replaces one left by an earlier attempt that never reached its
+    JSON: an evaluation redone after a crash is in TensorBoard once.
+    """
     from torch.utils.tensorboard import SummaryWriter  # tensorboard import is slow; only pay for it here
+
+    from pretrain.checkpoint import write_text_atomically
 
     export = inputs.export
     result = {"protocol": protocol, "step": export.step, "epoch": export.epoch,
               "checkpoint": str(inputs.checkpoint), "arch": export.arch, "top1": top1,
               "train": str(inputs.train_path), "val": str(inputs.val_path), **details}
-    path = inputs.out_dir / "eval" / f"{protocol}_step{export.step:07d}.json"
+    path = result_path(inputs.out_dir, protocol, export.step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    writer = SummaryWriter(log_dir=str(inputs.out_dir / "tb"))
+    suffix = f".{path.stem}"
+    for earlier in (inputs.out_dir / "tb").glob(f"events.out.tfevents.*{suffix}"):
+        earlier.unlink()
+    writer = SummaryWriter(log_dir=str(inputs.out_dir / "tb"), filename_suffix=suffix)
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, global_step=export.step)
     writer.close()
+    write_text_atomically(path, json.dumps(result, indent=2) + "\n")
     return path
 
 
@@ -228,6 +243,13 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="FILE",
                         help="evaluate this backbone export instead of RUN_DIR/backbone.pth (results go to RUN_DIR "
                              "when --run is given, else next to FILE)")
+    add_data_options(parser)
+    parser.add_argument("--no-cache", action="store_true",
+                        help="neither read nor write the feature cache RUN_DIR/eval/features_step{step}.pt")
+
+
+def add_data_options(parser: argparse.ArgumentParser) -> None:
+    """On which data and where an export is evaluated (shared by the protocols and `watch`)."""
     parser.add_argument("--train", metavar="BETON",
                         help="training .beton (default: data.train of the export's config)")
     parser.add_argument("--val", metavar="BETON",
@@ -244,14 +266,12 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
                         help="data loading workers (default: data.num_workers of the export's config)")
     parser.add_argument("--feature-batch-size", type=positive_int, default=256, metavar="N",
                         help="images per forward pass when extracting features (default: %(default)s)")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="neither read nor write the feature cache RUN_DIR/eval/features_step{step}.pt")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`python -m eval {knn,linear} [options]`."""
+    """`python -m eval {knn,linear,watch} [options]`."""
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,watch}")
 
     knn = commands.add_parser("knn", help="weighted k-NN top-1 on frozen features (DINO protocol)",
                               description="Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised "
@@ -287,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     linear.add_argument("--seed", type=int, default=0,
                         help="seed of the classifier init, shuffling and augmentation (default: %(default)s)")
     linear.set_defaults(handler=run_linear)
+
+    from eval import watch
+    follow = commands.add_parser("watch", help="evaluate every checkpoint of a (running) pretraining run, once each",
+                                 description=watch.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    watch.add_arguments(follow)
+    add_data_options(follow)
+    follow.set_defaults(handler=watch.watch)
     return parser
 
 
@@ -295,11 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.data import DatasetError
 
     try:
-        args.handler(args)
+        status = args.handler(args)
     except (EvaluationInputError, DatasetError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

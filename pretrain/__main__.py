@@ -2,8 +2,9 @@
 
 Pretrain an image encoder with a self-supervised method (and optional hard view selection). Runs in one
 process as it is, or in several under `torchrun --nproc-per-node N -m pretrain ...` / `deepspeed`.
-Starting a run whose directory holds a checkpoint resumes it. SIGINT / SIGTERM (Ctrl-C, scancel) finish the
-optimizer step under way, save a checkpoint and exit; a second signal exits at once.
+Starting a run whose directory holds a checkpoint resumes it. SIGINT / SIGTERM (Ctrl-C, scancel) and SIGUSR2
+(a scheduler's time-limit warning) finish the optimizer step under way, save a checkpoint and exit; a second
+SIGINT / SIGTERM exits at once.
 
 Exit status: 0 done; 1 training diverged (NaN / inf; the last finite checkpoint is kept); 2 bad input, nothing
 trained (config, data, checkpoint, run directory in use, disk full); 128 + N stopped by signal N after
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except StopRequested as error:
         report(str(error))
         return error.exit_code
-    except KeyboardInterrupt:          # Ctrl-C before the training loop began: nothing was trained
+    except KeyboardInterrupt:          # Ctrl-C during the start-up, before train() handles signals
         report("interrupted before training began; nothing to save")
         return 130
     finally:

@@ -4,8 +4,11 @@ RUN_DIR/checkpoints/stepNNNNNNNN/                   DeepSpeed shards (model, opt
 RUN_DIR/checkpoints/stepNNNNNNNN/trainer_state.json  step, data position and run layout; written last, so a
                                                     checkpoint without it is incomplete and never loaded
 RUN_DIR/checkpoints/latest                          the newest complete checkpoint (for DeepSpeed's tools)
-RUN_DIR/backbone.pth                                {arch, stem, state_dict, config, epoch, step};
-                                                    torch.load(weights_only=True)
+RUN_DIR/exports/backbone_stepNNNNNNNN.pth           the backbone export of every checkpoint (what the checkpoint-
+                                                    watching evaluation reads); exports/published.txt lists
+                                                    their steps in order; engine.keep_exports bounds them
+RUN_DIR/backbone.pth                                the newest export (a hard link to it): {arch, stem,
+                                                    state_dict, config, epoch, step}; torch.load(weights_only=True)
 
 Every file that a reader may see while it is written (trainer_state.json, latest, backbone.pth, ...) is
 written to a temporary name and renamed: a crash or a full disk leaves the previous version, never half a
@@ -209,22 +212,62 @@ def check_resumable(saved_config_path: Path, cfg: DictConfig) -> None:
 
 
 def check_fresh_start(run_dir: Path) -> None:
-    """A directory without a checkpoint to resume must not hold the export of an earlier run: starting afresh
-    would overwrite it."""
-    export = run_dir / "backbone.pth"
-    if export.is_file():
+    """A directory without a checkpoint to resume must not hold the exports of an earlier run: starting afresh
+    would overwrite them."""
+    exports = [run_dir / "backbone.pth", *sorted((run_dir / EXPORTS).glob("backbone_step*.pth"))]
+    export = next((path for path in exports if path.is_file()), None)
+    if export is not None:
         raise CheckpointError(
             f"{run_dir} holds a backbone export ({export}) but no complete checkpoint to resume from: starting "
             "afresh would overwrite it. Start this run with another name=... , or move that directory away.")
 
 
-def export_backbone(module: nn.Module, path: Path, cfg: DictConfig, epoch: int, step: int) -> None:
-    """Write {arch, stem, state_dict, config, epoch, step} for the evaluation and transfer stages.
+EXPORTS = "exports"
+PUBLISHED = "published.txt"
+
+
+def export_path(run_dir: Path, step: int) -> Path:
+    """Where the backbone export of the checkpoint of `step` goes."""
+    return Path(run_dir) / EXPORTS / f"backbone_step{step:08d}.pth"
+
+
+def published_export_steps(run_dir: Path) -> list[int]:
+    """The steps whose exports pretraining has published, in order (some may since have been rotated away)."""
+    index = Path(run_dir) / EXPORTS / PUBLISHED
+    if not index.is_file():
+        return []
+    return [int(line) for line in index.read_text().split() if line.isdigit()]
+
+
+def publish_export(run_dir: Path, step: int, keep: int) -> None:
+    """Rank 0, once the export of `step` is complete: make it RUN_DIR/backbone.pth (a hard link, atomically
+    replaced, so no space is spent twice), append `step` to exports/published.txt, and delete the exports
+    beyond the newest `keep` (0: keep all; a checkpoint-watching evaluation may not have read them yet)."""
+    run_dir = Path(run_dir)
+    export = export_path(run_dir, step)
+    tmp = run_dir / f".backbone.pth.tmp{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(export, tmp)
+    except OSError:                     # a file system without hard links
+        shutil.copyfile(export, tmp)
+    os.replace(tmp, run_dir / "backbone.pth")
+    steps = [s for s in published_export_steps(run_dir) if s != step] + [step]
+    write_text_atomically(run_dir / EXPORTS / PUBLISHED, "".join(f"{s}\n" for s in steps))
+    if keep > 0:
+        for old in sorted((run_dir / EXPORTS).glob("backbone_step*.pth"))[:-keep]:
+            old.unlink(missing_ok=True)
+
+
+def export_backbone(module: nn.Module, run_dir: Path, cfg: DictConfig, epoch: int, step: int) -> Path:
+    """Write {arch, stem, state_dict, config, epoch, step} for the evaluation and transfer stages to
+    RUN_DIR/exports/backbone_stepNNNNNNNN.pth and publish it as RUN_DIR/backbone.pth (`publish_export`).
 
     The backbone is the method's `backbone_to_export()` (DINO: the teacher's, unless method.export=student).
     Every rank must call this (ZeRO-3 gathers the partitioned parameters); rank 0 writes the file,
-    atomically, so a reader never sees half a file.
+    atomically, so a reader never sees half a file. Returns the export's path.
     """
+    path = export_path(run_dir, step)
     backbone = module.backbone_to_export()
     failure = None
     with deepspeed.zero.GatheredParameters(list(backbone.parameters()), modifier_rank=None):
@@ -235,8 +278,10 @@ def export_backbone(module: nn.Module, path: Path, cfg: DictConfig, epoch: int, 
                       "config": OmegaConf.to_container(cfg, resolve=True), "epoch": epoch, "step": step}
             tmp = path.with_name(f".{path.name}.tmp")
             try:
+                path.parent.mkdir(exist_ok=True)
                 torch.save(export, tmp)
                 os.replace(tmp, path)
+                publish_export(run_dir, step, cfg.engine.keep_exports)
             except (OSError, RuntimeError) as error:
                 failure = describe_write_error(error, path.parent)
                 tmp.unlink(missing_ok=True)
@@ -244,3 +289,4 @@ def export_backbone(module: nn.Module, path: Path, cfg: DictConfig, epoch: int, 
         raise CheckpointError(f"could not write the backbone export {path}: {failure or 'failed on rank 0'}; the "
                               f"checkpoint of step {step} is complete. Free space, then rerun the same command.")
     dist.barrier()
+    return path

@@ -86,6 +86,7 @@ class EngineConfig:
     sync_batchnorm: bool = True              # SyncBatchNorm on multi-GPU runs (never on CPU)
     checkpoint_every_steps: int = 0          # 0: at the end of every epoch only
     keep_checkpoints: int = 2
+    keep_exports: int = 0                    # backbone exports kept, one per checkpoint (0: all, for `eval watch`)
     log_every_steps: int = 1                 # scalars to TensorBoard / metrics.jsonl (HVS statistics every step)
     print_every_steps: int = 10              # progress line on the console
     image_grid_every_steps: int = 500        # 0 disables the grid of selected views
@@ -132,6 +133,7 @@ NUMBER_RANGES = (
     ("optim.grad_accum", ">=", 1, "micro-batches per optimizer step"),
     ("engine.checkpoint_every_steps", ">=", 0, "0: at epoch ends only"),
     ("engine.keep_checkpoints", ">=", 0, "0: keep all"),
+    ("engine.keep_exports", ">=", 0, "0: keep all"),
     ("engine.log_every_steps", ">=", 1, "steps"),
     ("engine.print_every_steps", ">=", 1, "steps"),
     ("engine.image_grid_every_steps", ">=", 0, "0 disables the grid"),

@@ -144,7 +144,8 @@ def train(cfg: DictConfig) -> Path:
     rank, world_size, device = init_distributed()
     run_dir = run_dir_of(cfg)
     checkpoint_dir = run_dir / "checkpoints"
-    with locked_run_directory(run_dir, rank):
+    # Signals are honoured from here on: one that arrives during the set-up stops the run after its first step.
+    with GracefulStop() as stop, locked_run_directory(run_dir, rank):
         check_resumable(run_dir / "config.yaml", cfg)      # on every rank: a refused start ends all of them
         if rank == 0:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +216,7 @@ def train(cfg: DictConfig) -> Path:
                             {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                              **run_layout(cfg, world_size, loader.num_images)},
                             {"method": method.state_outside_engine()}, cfg.engine.keep_checkpoints)
-            export_backbone(engine.module, run_dir / "backbone.pth", cfg, epoch, step)
+            export_backbone(engine.module, run_dir, cfg, epoch, step)
             saved_step = step
 
         def diverged(what: str, epoch: int) -> str:
@@ -228,7 +229,6 @@ def train(cfg: DictConfig) -> Path:
                     f"(optim.warmup_epochs, now {cfg.optim.warmup_epochs}).")
 
         # ==== training loop ====
-        stop = GracefulStop()
         engine.train()
         epoch = start_epoch
         try:
@@ -285,6 +285,8 @@ def train(cfg: DictConfig) -> Path:
                         every = cfg.engine.checkpoint_every_steps
                         if (every and done % every == 0) or done == stop_step:
                             checkpoint(epoch, batch_index)
+                        if done >= stop_step:           # the run is complete: a late signal changes nothing
+                            break
                         signum = stop.requested_on_any_rank(device)
                         if signum:
                             if saved_step != done:
@@ -292,15 +294,12 @@ def train(cfg: DictConfig) -> Path:
                             raise StopRequested(f"stopped on a signal after step {done}, saved in "
                                                 f"{checkpoint_dir / f'step{done:08d}'}; rerun the same command "
                                                 "to resume", signum)
-                        if done >= stop_step:
-                            break
                         tick = time.perf_counter()
                     else:   # the epoch ran out: its end is always a checkpoint
                         if engine.global_steps != saved_step:
                             checkpoint(epoch, batch_index)
                 epoch, start_batch = epoch + 1, 0
         finally:
-            stop.restore()
             monitor.close()
 
         if rank == 0:

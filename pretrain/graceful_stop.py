@@ -1,4 +1,11 @@
-"""SIGINT / SIGTERM: finish the optimizer step under way, save a checkpoint, exit; a second signal exits at once.
+"""SIGINT / SIGTERM / SIGUSR2: finish the optimizer step under way, save a checkpoint, exit; a second SIGINT or
+SIGTERM exits at once.
+
+SIGUSR2 is the warning a cluster scheduler sends before a job's time limit or at preemption (`sbatch
+--signal=USR2@SECONDS`, as submitit submits; `SlurmctldParameters=preempt_send_user_signal` for preemption):
+the run stops the same way, with exit status 128 + SIGUSR2, and `launch` requeues the job, which resumes from
+that checkpoint. The scheduler's SIGTERM that may follow its warning belongs to the same stop: it does not cut
+short the checkpoint being written (the scheduler's SIGKILL ends the job when it must).
 
 A handler only records the request; the training loop asks `requested_on_any_rank()` once per optimizer
 step, an all-reduce, so that every process stops after the same step even when the signal reached only
@@ -18,7 +25,9 @@ import time
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+PENDING_STOP_SIGNAL = "HARDVIEW_PENDING_STOP_SIGNAL"
+WHY = {signal.SIGINT: "", signal.SIGTERM: "", signal.SIGUSR2: " (the scheduler's time-limit or preemption warning)"}
 
 
 class StopRequested(Exception):
@@ -35,13 +44,19 @@ class GracefulStop:
         self.signum: int | None = None
         self.received_at = 0.0
         self.previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        # A launched job records a stop signal that arrives during its start-up, before this handler exists
+        # (launch.jobs.hold_stop_signals): it counts as received now.
+        pending = os.environ.pop(PENDING_STOP_SIGNAL, None)
+        if pending:
+            self._handle(int(pending), None)
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is None:
             self.signum, self.received_at = signum, time.monotonic()
-            print(f"{signal.Signals(signum).name}: stopping after this optimizer step, with a checkpoint "
-                  "(a second signal exits at once)", file=sys.stderr, flush=True)
-        elif time.monotonic() - self.received_at > self.repeat_window_s:
+            print(f"{signal.Signals(signum).name}{WHY[signum]}: stopping after this optimizer step, with a "
+                  "checkpoint (a second SIGINT / SIGTERM exits at once)", file=sys.stderr, flush=True)
+        elif signal.SIGUSR2 not in (self.signum, signum) and \
+                time.monotonic() - self.received_at > self.repeat_window_s:
             print(f"{signal.Signals(signum).name} again: exiting now, without a checkpoint", file=sys.stderr,
                   flush=True)
             os._exit(128 + signum)
@@ -57,3 +72,9 @@ class GracefulStop:
         """Put back the handlers that were installed before."""
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+
+    def __enter__(self) -> "GracefulStop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()

@@ -46,8 +46,8 @@ def this_process() -> dict:
 
 
 class RunLock:
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "run.lock"
+    def __init__(self, run_dir: Path, name: str = "run.lock"):
+        self.path = Path(run_dir) / name
         self.held = False
 
     def acquire(self) -> str | None:
@@ -77,7 +77,7 @@ class RunLock:
                     f"name=... . If that run is gone (e.g. its node died), delete {self.path}.")
             # Move the stale lock aside under a name of our own: of two starts taking it over at once, only one
             # rename succeeds; the other finds the new lock on its next attempt.
-            aside = self.path.with_name(f"run.lock.stale.{os.getpid()}")
+            aside = self.path.with_name(f"{self.path.name}.stale.{os.getpid()}")
             try:
                 os.rename(self.path, aside)
             except FileNotFoundError:

@@ -1,0 +1,118 @@
+"""`python -m eval watch --run RUN_DIR --protocols knn,linear [--follow]`: evaluate every checkpoint of a
+pretraining run, exactly once and in step order, while the run goes on.
+
+Pretraining publishes a backbone export per checkpoint, RUN_DIR/exports/backbone_stepNNNNNNNN.pth, written to a
+temporary name and renamed (a file that is there is complete), and appends its step to
+exports/published.txt. For every published step and protocol without a result
+RUN_DIR/eval/<protocol>_stepNNNNNNN.json, oldest step first, the watcher runs the protocol on that export
+(`python -m eval <protocol> --checkpoint EXPORT --run RUN_DIR`): the JSON, written last and atomically, is the
+record that it is done, and its TensorBoard scalars land in RUN_DIR/tb at that step, next to the training
+curves. A watcher killed mid-evaluation and restarted therefore evaluates nothing twice and completes the
+interrupted one. An export deleted before it was evaluated (a retention set with engine.keep_exports) is
+listed as skipped. One watcher per run: RUN_DIR/eval/watch.lock. A step's cached features
+(RUN_DIR/eval/features_stepNNNNNNN.pt, as large as the features of the training set) are deleted once every
+protocol has run on it.
+
+It exits when the run has finished (RUN_DIR/finished.json) and every published export is evaluated; with
+--follow it keeps waiting for new checkpoints (e.g. of a run that will be resumed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from pretrain.checkpoint import export_path, published_export_steps
+
+PROTOCOLS = ("knn", "linear")            # the sub-commands of `python -m eval` the watcher can run
+FORWARDED = ("train", "val", "image_size", "crop_fraction", "device", "num_workers", "feature_batch_size")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="the pretraining run directory to follow")
+    parser.add_argument("--protocols", default="knn,linear",
+                        help=f"comma-separated protocols to run on every checkpoint, of {PROTOCOLS} "
+                             "(default: %(default)s)")
+    parser.add_argument("--follow", action="store_true",
+                        help="keep waiting for new checkpoints after the run has finished")
+    parser.add_argument("--poll-seconds", type=float, default=30.0,
+                        help="how often to look for new exports (default: %(default)s)")
+
+
+def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]], list[int]]:
+    """(step, protocol) pairs still to evaluate, oldest first, and the published steps whose export was
+    deleted before every protocol ran on it."""
+    from eval.__main__ import result_path
+
+    todo, skipped = [], []
+    for step in sorted(set(published_export_steps(run_dir))):
+        missing = [p for p in protocols if not result_path(run_dir, p, step).is_file()]
+        if not missing:
+            continue
+        if export_path(run_dir, step).is_file():
+            todo += [(step, p) for p in missing]
+        else:
+            skipped.append(step)
+    return todo, skipped
+
+
+def run_protocol(args: argparse.Namespace, protocol: str, step: int) -> None:
+    from eval.__main__ import build_parser
+
+    argv = [protocol, "--run", str(args.run), "--checkpoint", str(export_path(args.run, step))]
+    for name in FORWARDED:
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    protocol_args = build_parser().parse_args(argv)
+    protocol_args.handler(protocol_args)
+
+
+def watch(args: argparse.Namespace) -> int:
+    from eval.features import EvaluationInputError
+    from pretrain.run_lock import RunDirectoryInUse, RunLock
+
+    run_dir = Path(args.run)
+    protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown or not protocols:
+        raise EvaluationInputError(f"--protocols {args.protocols!r}: {unknown or 'none given'}; choose from {PROTOCOLS}")
+    if not run_dir.is_dir():
+        raise EvaluationInputError(f"--run {run_dir}: no such run directory (start the pretraining first, or "
+                                   "pass the run's directory)")
+    (run_dir / "eval").mkdir(exist_ok=True)
+    lock = RunLock(run_dir / "eval", "watch.lock")
+    try:
+        taken_over = lock.acquire()
+    except RunDirectoryInUse as error:
+        raise EvaluationInputError(f"another watcher follows this run: {error}") from None
+    if taken_over:
+        print(taken_over, file=sys.stderr, flush=True)
+    reported_skips: set[int] = set()
+    evaluated = 0
+    try:
+        print(f"watching {run_dir} for checkpoints to evaluate with {', '.join(protocols)}", flush=True)
+        while True:
+            finished = (run_dir / "finished.json").is_file()      # read first: the exports are complete by then
+            todo, skipped = pending(run_dir, protocols)
+            for step in sorted(set(skipped) - reported_skips):
+                print(f"skipped step {step}: its export was deleted before it was evaluated "
+                      "(engine.keep_exports)", flush=True)
+                reported_skips.add(step)
+            for step, protocol in todo:
+                print(f"evaluating step {step}: {protocol}", flush=True)
+                run_protocol(args, protocol, step)
+                evaluated += 1
+                if (step, protocol) == max(t for t in todo if t[0] == step):
+                    # the step's cached features (as large as the training set's features) are no longer needed
+                    (run_dir / "eval" / f"features_step{step:07d}.pt").unlink(missing_ok=True)
+            if todo:
+                continue                     # new exports may have appeared meanwhile
+            if finished and not args.follow:
+                print(f"done: {run_dir} has finished and every published checkpoint is evaluated "
+                      f"({evaluated} evaluations now, {len(reported_skips)} checkpoints skipped)", flush=True)
+                return 0
+            time.sleep(args.poll_seconds)
+    finally:
+        lock.release()

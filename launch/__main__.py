@@ -1,0 +1,248 @@
+"""python -m launch COMMAND: submit the stages as jobs, to a Slurm cluster or as local processes (submitit).
+
+  pretrain     `python -m pretrain` as a job: one task per GPU (per process on CPUs), on N nodes; the job
+               saves a checkpoint before its time limit and requeues itself; --sweep submits a job array
+  finetune     `python -m transfer finetune` as a job (DeepSpeed, one task per GPU)
+  eval-watch   `python -m eval watch` as a job: evaluates every checkpoint of a run while it trains (CPU or 1 GPU)
+  pipeline     pretraining, the checkpoint-watching evaluation and the final evaluations: with job
+               dependencies on Slurm, in order in one job locally
+  status       job state, step and latest evaluation of a run, or of every run of a sweep, as a table
+
+Each command prints the job id, its log files and the run directory; every job submitted for a run is
+recorded in RUN_DIR/jobs.jsonl (what `status` reads). Where a job runs comes from --preset (a YAML file of
+cluster options, configs/launch/) and the flags, which override the preset; `--help` on a command lists them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from launch.cluster import ClusterOptions, LaunchError, add_cluster_arguments, build_executor, cluster_options
+from launch.jobs import StageJob, Step
+from launch.sweep import run_name, sweep_combinations
+
+
+# ============ recording and reporting submissions ============
+
+def record_job(run_dir: Path, kind: str, job, options: ClusterOptions, steps: list[Step]) -> dict:
+    """Append the submitted job to RUN_DIR/jobs.jsonl and return the entry."""
+    entry = {"kind": kind, "job_id": str(job.job_id), "cluster": options.cluster,
+             "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), "folder": str(job.paths.folder),
+             "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr),
+             "tasks": options.nodes * options.tasks, "commands": [step.describe() for step in steps]}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "jobs.jsonl", "a") as jobs:
+        jobs.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def report(entry: dict, run_dir: Path) -> None:
+    print(f"submitted {entry['kind']} job {entry['job_id']} ({entry['cluster']}, {entry['tasks']} task(s))\n"
+          f"  logs:    {entry['stdout']}\n           {entry['stderr']}\n"
+          f"  run dir: {run_dir}", flush=True)
+
+
+def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step], dependency: str | None = None):
+    executor = build_executor(options, run_dir / "jobs", run_dir.name)
+    if dependency and options.cluster == "slurm":
+        executor.update_parameters(dependency=dependency)
+    job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir)))
+    entry = record_job(run_dir, kind, job, options, steps)
+    report(entry, run_dir)
+    return job
+
+
+# ============ pretrain (and sweeps) ============
+
+def pretrain_run_dir(config: str | None, overrides: list[str]) -> Path:
+    """The run directory the config describes; the config is loaded, so a bad one is refused at submission."""
+    from pretrain.config import load_config, run_dir_of
+
+    return run_dir_of(load_config(config, overrides)).resolve()
+
+
+def pretrain_step(config: str | None, overrides: list[str], run_dir: Path) -> Step:
+    argv = (["--config", str(Path(config).resolve())] if config else []) + [*overrides, f"run_dir={run_dir}"]
+    return Step("pretrain", argv)
+
+
+def command_pretrain(args: argparse.Namespace) -> int:
+    options = cluster_options(args)
+    if not args.sweep:
+        run_dir = pretrain_run_dir(args.config, args.overrides)
+        submit(options, run_dir, "pretrain", [pretrain_step(args.config, args.overrides, run_dir)])
+        return 0
+    from pretrain.config import load_config
+
+    base = load_config(args.config, args.overrides)
+    sweep_dir = Path(args.sweep_dir or Path("runs") / f"{base.name}_sweep").resolve()
+    runs = []
+    for combination in sweep_combinations(args.sweep):
+        name = run_name(base.name, combination)
+        overrides = [*args.overrides, *combination, f"name={name}"]
+        run_dir = sweep_dir / name
+        load_config(args.config, [*overrides, f"run_dir={run_dir}"])       # refuse a bad value before submitting
+        runs.append((name, combination, run_dir, [pretrain_step(args.config, overrides, run_dir)]))
+    executor = build_executor(options, sweep_dir / "jobs", sweep_dir.name)
+    with executor.batch():                                   # one Slurm job array (separate processes locally)
+        jobs = [executor.submit(StageJob(steps, options.max_requeues, str(run_dir))) for *_, run_dir, steps in runs]
+    entries = []
+    for (name, combination, run_dir, steps), job in zip(runs, jobs):
+        entry = record_job(run_dir, "pretrain", job, options, steps)
+        entries.append({"name": name, "overrides": combination, "run_dir": str(run_dir), "job_id": entry["job_id"]})
+        report(entry, run_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / "sweep.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides,
+                                                      "sweep": args.sweep, "runs": entries}, indent=1) + "\n")
+    print(f"sweep of {len(runs)} runs in {sweep_dir}; follow it with: python -m launch status {sweep_dir}")
+    return 0
+
+
+# ============ evaluation, fine-tuning, pipeline ============
+
+def watch_step(run_dir: Path, protocols: str, follow: bool = False) -> Step:
+    return Step("eval", ["watch", "--run", str(run_dir), "--protocols", protocols, *(["--follow"] if follow else [])],
+                distributed=False)
+
+
+def command_eval_watch(args: argparse.Namespace) -> int:
+    options = cluster_options(args)
+    run_dir = Path(args.run).resolve()
+    submit(options, run_dir, "eval-watch", [watch_step(run_dir, args.protocols, args.follow)])
+    return 0
+
+
+def command_finetune(args: argparse.Namespace, stage_args: list[str]) -> int:
+    options = cluster_options(args)
+    run_dir = Path(args.run).resolve()
+    submit(options, run_dir, "finetune", [Step("transfer", ["finetune", "--run", str(run_dir), *stage_args])])
+    return 0
+
+
+def final_steps(run_dir: Path, protocols: str, transfer: str) -> list[Step]:
+    """Evaluations of the final export: `python -m eval PROTOCOL`, then the transfer stages."""
+    steps = [Step("eval", [p, "--run", str(run_dir)], distributed=False) for p in split(protocols)]
+    for stage in split(transfer):
+        steps.append(Step("transfer", [stage, "--run", str(run_dir)], distributed=stage == "finetune"))
+    return steps
+
+
+def split(text: str) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def command_pipeline(args: argparse.Namespace) -> int:
+    options = cluster_options(args)
+    run_dir = pretrain_run_dir(args.config, args.overrides)
+    pretraining = pretrain_step(args.config, args.overrides, run_dir)
+    finals = final_steps(run_dir, args.final_protocols, args.transfer)
+    if options.cluster == "local":          # one local job: the stages in order
+        steps = [pretraining, watch_step(run_dir, args.watch_protocols), *finals]
+        submit(options, run_dir, "pipeline", steps)
+        return 0
+    training = submit(options, run_dir, "pretrain", [pretraining])
+    single = ClusterOptions(**{**vars(options), "nodes": 1, "tasks_per_node": 1, "gpus_per_node": args.eval_gpus,
+                               "max_requeues": options.max_requeues})
+    # The watcher starts with the training (after:), the final evaluations once it succeeded (afterok:).
+    submit(single, run_dir, "eval-watch", [watch_step(run_dir, args.watch_protocols)],
+           dependency=f"after:{training.job_id}")
+    if finals:
+        final_options = options if any(step.distributed for step in finals) else single
+        submit(final_options, run_dir, "final-eval", finals, dependency=f"afterok:{training.job_id}")
+    return 0
+
+
+def command_status(args: argparse.Namespace) -> int:
+    from launch.status import status_table
+
+    print(status_table(Path(args.dir)))
+    return 0
+
+
+# ============ argument parsing ============
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pretrain = commands.add_parser("pretrain", help="pretraining as a job (or a sweep as a job array)",
+                                   description="Submit `python -m pretrain --config FILE [key=value ...]` as a job. "
+                                               "Overrides come first, then --sweep.",
+                                   epilog="examples:\n  python -m launch pretrain --config configs/pretrain/"
+                                          "dino_vit_small_imagenet_folder.yaml --preset slurm_example --nodes 2 "
+                                          "--gpus-per-node 8\n  python -m launch pretrain --config configs/pretrain/"
+                                          "simclr_digits.yaml --cluster local --sweep optim.lr=0.1,0.2,0.4 "
+                                          "method.temperature=0.1,0.2",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    pretrain.add_argument("--config", help="pretraining config (configs/pretrain/*.yaml)")
+    pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for python -m pretrain")
+    pretrain.add_argument("--sweep", nargs="+", metavar="KEY=V1,V2", default=[],
+                          help="submit the product of these values as one job array, one run directory each")
+    pretrain.add_argument("--sweep-dir", help="where the sweep's runs go (default: runs/NAME_sweep)")
+    add_cluster_arguments(pretrain)
+    pretrain.set_defaults(handler=command_pretrain)
+
+    finetune = commands.add_parser("finetune", help="fine-tuning as a job",
+                                   description="Submit `python -m transfer finetune --run RUN_DIR ...` as a job; "
+                                               "options this command does not know go to `transfer finetune`.")
+    finetune.add_argument("--run", required=True, metavar="RUN_DIR", help="the pretraining run to fine-tune")
+    add_cluster_arguments(finetune)
+    finetune.set_defaults(handler=command_finetune, passes_unknown=True)
+
+    watch = commands.add_parser("eval-watch", help="the checkpoint-watching evaluation as a job",
+                                description="Submit `python -m eval watch --run RUN_DIR` as a one-task job (CPU, or "
+                                            "--gpus-per-node 1): every checkpoint of the run evaluated once, in step "
+                                            "order, while it trains.")
+    watch.add_argument("--run", required=True, metavar="RUN_DIR")
+    watch.add_argument("--protocols", default="knn,linear", help="protocols per checkpoint (default: %(default)s)")
+    watch.add_argument("--follow", action="store_true", help="keep watching after the run has finished")
+    add_cluster_arguments(watch)
+    watch.set_defaults(handler=command_eval_watch)
+
+    pipeline = commands.add_parser("pipeline", help="pretraining + checkpoint-watching evaluation + final evaluations",
+                                   description="Submit pretraining, an `eval watch` job that starts with it, and the "
+                                               "final evaluations once it succeeded (Slurm job dependencies); "
+                                               "locally, one job runs them in order.")
+    pipeline.add_argument("--config", help="pretraining config (configs/pretrain/*.yaml)")
+    pipeline.add_argument("overrides", nargs="*", metavar="key=value")
+    pipeline.add_argument("--watch-protocols", default="knn",
+                          help="protocols run on every checkpoint while training goes on (default: %(default)s)")
+    pipeline.add_argument("--final-protocols", default="knn,linear",
+                          help="protocols run on the final export (default: %(default)s)")
+    pipeline.add_argument("--transfer", default="",
+                          help="transfer stages run on the final export, e.g. finetune,detection (default: none)")
+    pipeline.add_argument("--eval-gpus", type=int, default=0, help="GPUs of the evaluation jobs (0 or 1)")
+    add_cluster_arguments(pipeline)
+    pipeline.set_defaults(handler=command_pipeline)
+
+    status = commands.add_parser("status", help="jobs, steps and latest evaluations of a run or a sweep",
+                                 description="A table of every run under DIR (a run directory, a sweep directory, "
+                                             "or a folder of runs): job, state, step, latest evaluation.")
+    status.add_argument("dir", metavar="DIR")
+    status.set_defaults(handler=command_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passes_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        if getattr(args, "passes_unknown", False):
+            return args.handler(args, unknown)
+        return args.handler(args)
+    except LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:           # pretrain.config.ConfigError: a bad config, refused before submitting
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

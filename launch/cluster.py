@@ -1,0 +1,199 @@
+"""Where a job runs and with what: cluster options from presets and flags, turned into a submitit executor.
+
+    options = cluster_options(args)                    # configs/launch/<preset>.yaml <- command-line flags
+    executor = build_executor(options, folder, "pretrain")
+
+A preset is a YAML file of these options (configs/launch/local.yaml, configs/launch/slurm_example.yaml);
+flags given on the command line override it. `cluster: slurm` submits with sbatch through submitit (one task
+per GPU, or `tasks_per_node` processes on CPUs); `cluster: local` runs the same job as local processes;
+`cluster: auto` is Slurm where `sbatch` exists, local elsewhere.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+import shutil
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "launch"
+
+
+class LaunchError(ValueError):
+    """A launch the user must fix (a bad option or preset); the message names the value and what to do."""
+
+
+@dataclass
+class ClusterOptions:
+    cluster: str = "auto"                  # slurm | local | auto (slurm where sbatch exists)
+    nodes: int = 1
+    gpus_per_node: int = 0                 # one task per GPU; 0: a CPU job
+    tasks_per_node: int | None = None      # processes per node (default: gpus_per_node, or 1 on CPUs)
+    cpus_per_task: int = 2
+    mem_gb: float | None = None            # per node; None: the partition's default
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str = "60"                       # time limit: minutes, or [D-]HH:MM:SS
+    max_requeues: int = 10                 # time-limit requeues before the job gives up
+    signal_delay_s: int = 120              # SIGUSR2 this many seconds before the time limit
+    job_name: str | None = None
+    sbatch: dict[str, str] = dataclasses.field(default_factory=dict)   # further #SBATCH options, e.g. {exclusive: ""}
+
+    @property
+    def tasks(self) -> int:
+        return self.tasks_per_node or self.gpus_per_node or 1
+
+
+OPTION_HELP = {
+    "cluster": "slurm, local, or auto (slurm where sbatch exists)",
+    "nodes": "nodes (Slurm)",
+    "gpus_per_node": "GPUs per node; one task (process) per GPU; 0 for a CPU job",
+    "tasks_per_node": "processes per node (default: gpus-per-node, or 1 on CPUs)",
+    "cpus_per_task": "CPU cores per process (data loading threads)",
+    "mem_gb": "memory per node in GB",
+    "partition": "Slurm partition",
+    "account": "Slurm account",
+    "qos": "Slurm quality of service",
+    "constraint": "Slurm node constraint (e.g. a GPU type)",
+    "time": "time limit: minutes, or [D-]HH:MM:SS; the job requeues itself at the limit",
+    "max_requeues": "time-limit requeues before the job stops for good",
+    "signal_delay_s": "seconds before the time limit at which the job saves a checkpoint and requeues",
+    "job_name": "job name (default: the run's name)",
+}
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """--preset and one flag per ClusterOptions field; a flag left out keeps the preset's value."""
+    group = parser.add_argument_group("where the job runs (flags override --preset)")
+    group.add_argument("--preset", metavar="NAME_OR_FILE",
+                       help=f"cluster options from a YAML file, or the name of one in {PRESETS} "
+                            "(local, slurm_example)")
+    for field in fields(ClusterOptions):
+        if field.name == "sbatch":
+            group.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
+                               help="a further #SBATCH option, e.g. --sbatch exclusive= --sbatch mail-type=END "
+                                    "(repeatable)")
+            continue
+        kind = {"nodes": int, "gpus_per_node": int, "tasks_per_node": int, "cpus_per_task": int,
+                "mem_gb": float, "max_requeues": int, "signal_delay_s": int}.get(field.name, str)
+        default = f" (default: {field.default})" if field.default is not None else ""
+        group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind, default=None,
+                           metavar="N" if kind is not str else field.name.split("_")[0].upper(),
+                           help=OPTION_HELP[field.name] + default)
+
+
+def load_preset(name_or_path: str) -> dict:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESETS / f"{name_or_path}.yaml"
+    if not path.is_file():
+        available = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+        raise LaunchError(f"--preset {name_or_path!r}: no file {path}; the presets are {available}, or pass a path")
+    try:
+        preset = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise LaunchError(f"--preset {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(preset, dict):
+        raise LaunchError(f"--preset {path} must be a mapping of cluster options (as configs/launch/local.yaml)")
+    known = [f.name for f in fields(ClusterOptions)]
+    for key in preset:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {known}"
+            raise LaunchError(f"--preset {path}: unknown option {key!r}{hint}")
+    return preset
+
+
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    """The preset (if any), overridden by every flag given on the command line; checked."""
+    values = load_preset(args.preset) if getattr(args, "preset", None) else {}
+    for field in fields(ClusterOptions):
+        given = getattr(args, field.name, None)
+        if field.name == "sbatch":
+            extra = dict(values.get("sbatch") or {})
+            for item in given or []:
+                if "=" not in item:
+                    raise LaunchError(f"--sbatch {item!r} must be KEY=VALUE (KEY= for a flag without a value)")
+                key, value = item.split("=", 1)
+                extra[key] = value
+            values["sbatch"] = extra
+        elif given is not None:
+            values[field.name] = given
+    try:
+        options = ClusterOptions(**values)
+    except TypeError as error:
+        raise LaunchError(f"cluster options: {error}") from None
+    check(options)
+    if options.cluster == "auto":
+        options.cluster = "slurm" if shutil.which("sbatch") else "local"
+    return options
+
+
+def time_limit_minutes(text: str) -> int:
+    """'90' -> 90; '2:00:00' -> 120; '1-00:00:00' -> 1440; '0:30' (MM:SS) -> 1 (Slurm rounds up to minutes)."""
+    text = str(text).strip()
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    if not match:
+        raise LaunchError(f"--time {text!r} is not minutes or [D-]HH:MM:SS (e.g. --time 120 or --time 2:00:00)")
+    days, first, second, third = match.groups()
+    if second is None:                                   # minutes
+        seconds = int(first) * 60
+    elif third is None:                                  # MM:SS
+        seconds = int(first) * 60 + int(second)
+    else:                                                # HH:MM:SS
+        seconds = int(first) * 3600 + int(second) * 60 + int(third)
+    seconds += int(days or 0) * 86400
+    return max(1, -(-seconds // 60))
+
+
+def check(options: ClusterOptions) -> None:
+    if options.cluster not in ("slurm", "local", "auto"):
+        raise LaunchError(f"--cluster {options.cluster!r} is not one of slurm, local, auto")
+    for name in ("nodes", "cpus_per_task"):
+        if getattr(options, name) < 1:
+            raise LaunchError(f"--{name.replace('_', '-')} {getattr(options, name)} must be at least 1")
+    if options.gpus_per_node < 0 or (options.tasks_per_node is not None and options.tasks_per_node < 1):
+        raise LaunchError(f"--gpus-per-node {options.gpus_per_node} must be >= 0 and --tasks-per-node "
+                          f"{options.tasks_per_node} >= 1")
+    if options.max_requeues < 0 or options.signal_delay_s < 1:
+        raise LaunchError(f"--max-requeues {options.max_requeues} must be >= 0 and --signal-delay-s "
+                          f"{options.signal_delay_s} >= 1")
+    minutes = time_limit_minutes(options.time)
+    if options.signal_delay_s >= minutes * 60:
+        raise LaunchError(f"--signal-delay-s {options.signal_delay_s} must be shorter than the time limit "
+                          f"({minutes} min): the job saves and requeues that long before the limit")
+    if options.cluster == "local" and options.nodes > 1:
+        raise LaunchError(f"--nodes {options.nodes} needs --cluster slurm; a local job runs on this machine")
+
+
+def build_executor(options: ClusterOptions, folder: Path, job_name: str):
+    """A submitit executor for `options` (sbatch through SlurmExecutor, or local processes through
+    LocalExecutor), writing its scripts and logs to `folder`."""
+    import submitit
+
+    minutes = time_limit_minutes(options.time)
+    if options.cluster == "local":
+        executor = submitit.LocalExecutor(folder=str(folder), max_num_timeout=options.max_requeues)
+        executor.update_parameters(timeout_min=minutes, tasks_per_node=options.tasks,
+                                   gpus_per_node=options.gpus_per_node, signal_delay_s=options.signal_delay_s)
+        return executor
+    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=options.max_requeues)
+    parameters = dict(job_name=options.job_name or job_name, time=minutes, nodes=options.nodes,
+                      ntasks_per_node=options.tasks, cpus_per_task=options.cpus_per_task,
+                      signal_delay_s=options.signal_delay_s,
+                      additional_parameters={"requeue": True, **options.sbatch})
+    if options.gpus_per_node:
+        parameters["gpus_per_node"] = options.gpus_per_node
+    if options.mem_gb:
+        parameters["mem"] = f"{int(options.mem_gb * 1024)}M"
+    for name in ("partition", "account", "qos", "constraint"):
+        if getattr(options, name):
+            parameters[name] = getattr(options, name)
+    executor.update_parameters(**parameters)
+    return executor

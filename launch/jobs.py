@@ -1,0 +1,162 @@
+"""What a launched job runs: one stage's command line (`python -m pretrain ...`, `python -m eval watch ...`) in
+every task of a submitit job, with the distributed set-up taken from the job's environment, and a requeue at
+the time limit.
+
+The stage code has no Slurm branches: the job sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT from submitit's `JobEnvironment` (Slurm's variables, multi-node included, or the
+local executor's) and calls the stage's `main(argv)` in-process, as `torchrun` would have started it.
+
+Time limit and preemption (submitit's sbatch asks for SIGUSR2 `signal_delay_s` before the time limit):
+- every task's training loop takes SIGUSR2 as a stop request (`pretrain.graceful_stop`): the processes agree on
+  it at the next optimizer step, save a checkpoint of that step together, and return 128 + SIGUSR2;
+- then global rank 0 requeues the job (`scontrol requeue`; locally, submitit's local controller restarts the
+  tasks), unless the job has been requeued `max_requeues` times already or made no progress since it started;
+- the requeued job runs the same command line, which resumes from the newest complete checkpoint. Its
+  rendezvous port differs from the previous run's (it includes Slurm's restart count): a stale rendezvous of
+  the previous allocation cannot be joined (submitit issue #1613).
+- submitit calls `checkpoint()` only on rank 0, inside its own signal handler, where no collective can run; it
+  does so here only for a signal that arrives before the stage installed its handler (start-up), and then
+  requeues the job unchanged.
+- SIGTERM (`scancel`, `scontrol requeue`, preemption after its grace time) stops the stage the same way with a
+  checkpoint, without a requeue by the job: Slurm requeues a preempted or requeued job itself, and a
+  cancelled job stays cancelled. A checkpoint cut short by SIGKILL is never loaded (pretrain.checkpoint).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Exit status of a stage that stopped on the scheduler's warning after saving a checkpoint.
+STOPPED_FOR_TIME_LIMIT = 128 + signal.SIGUSR2
+STAGES = {"pretrain": "pretrain.__main__", "eval": "eval.__main__", "transfer": "transfer.__main__"}
+LOCAL_REQUEUE_EXIT = 144          # submitit's local controller restarts a job whose task exits with this
+PENDING_STOP_SIGNAL = "HARDVIEW_PENDING_STOP_SIGNAL"    # read by pretrain.graceful_stop.GracefulStop
+
+
+def rendezvous_port(job_id: str, restart_count: int) -> int:
+    """A port in [20000, 60000) that every task of one run of a job computes alike; another run (a requeue)
+    or another job gets another port."""
+    digest = hashlib.sha256(f"{job_id}/{restart_count}".encode()).digest()
+    return 20000 + int.from_bytes(digest[:4], "big") % 40000
+
+
+def distributed_environment(job_env, restart_count: int, local: bool) -> dict[str, str]:
+    """torch.distributed's environment variables for this task, from submitit's JobEnvironment.
+
+    The master is the first node of the job (Slurm's SLURM_JOB_NODELIST, compressed lists such as node[01-02]
+    expanded by submitit); a local job's is this machine.
+    """
+    tasks_per_node = job_env.num_tasks // max(job_env.num_nodes, 1)
+    return {"RANK": str(job_env.global_rank), "WORLD_SIZE": str(job_env.num_tasks),
+            "LOCAL_RANK": str(job_env.local_rank), "LOCAL_WORLD_SIZE": str(tasks_per_node),
+            "MASTER_ADDR": "127.0.0.1" if local else job_env.hostnames[0],
+            "MASTER_PORT": str(rendezvous_port(job_env.job_id, restart_count))}
+
+
+def restart_count(job_env, folder: Path) -> int:
+    """How many times this job has been requeued: Slurm's count (preemptions included), or, for a local job,
+    the requeues its rank 0 recorded in JOB_FOLDER/<job id>.requeues."""
+    if job_env.cluster != "local":
+        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    record = folder / f"{job_env.job_id}.requeues"
+    return len(record.read_text().split()) if record.is_file() else 0
+
+
+def hold_stop_signals() -> None:
+    """Until the stage's training loop takes over signals (pretrain.graceful_stop), record a SIGUSR2 (time-limit
+    warning) or SIGTERM in PENDING_STOP_SIGNAL instead of letting submitit requeue a job that has not started
+    or let it die: the stage then stops, with a checkpoint, after its first optimizer step."""
+    def record(signum: int, frame) -> None:
+        os.environ.setdefault(PENDING_STOP_SIGNAL, str(signum))
+
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(signum, record)
+
+
+@dataclass
+class Step:
+    """One stage command line of a job: `python -m <STAGES[stage]> <argv>`, in every task (`distributed`: a
+    DeepSpeed stage) or in global rank 0 alone (evaluation and the single-process transfer stages)."""
+
+    stage: str
+    argv: list[str]
+    distributed: bool = True
+
+    def describe(self) -> str:
+        return f"python -m {STAGES[self.stage].split('.')[0]} {' '.join(self.argv)}"
+
+
+@dataclass
+class StageJob:
+    """A job (pickled by submitit) that runs its steps in order in each of its tasks."""
+
+    steps: list[Step]
+    max_requeues: int = 10
+    run_dir: str | None = None              # where progress is read, to refuse a requeue without progress
+
+    def __call__(self) -> int:
+        import submitit
+
+        hold_stop_signals()
+        job_env = submitit.JobEnvironment()
+        local = job_env.cluster == "local"
+        restarts = restart_count(job_env, job_env.paths.folder)
+        os.environ.update(distributed_environment(job_env, restarts, local))
+        started_at = self.progress()
+        for step in self.steps:
+            if not step.distributed:
+                if job_env.global_rank != 0:
+                    continue
+                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                  MASTER_PORT=str(rendezvous_port(job_env.job_id + "/rank0", restarts)))
+            status = importlib.import_module(STAGES[step.stage]).main(list(step.argv))
+            if status == STOPPED_FOR_TIME_LIMIT:
+                if job_env.global_rank == 0:
+                    self.requeue(job_env, restarts, started_at)
+                raise SystemExit(status)        # no result file: the job is not over
+            if status > 128:                    # stopped on SIGTERM / SIGINT after a checkpoint
+                raise SystemExit(status)
+            if status != 0:
+                raise RuntimeError(f"{step.describe()} exited with status {status}; see the messages above")
+        return 0
+
+    def progress(self) -> int | None:
+        """The newest complete checkpoint's step of the run (None where there is none, or no run directory)."""
+        if self.run_dir is None:
+            return None
+        from pretrain.checkpoint import complete_checkpoints
+
+        newest = complete_checkpoints(Path(self.run_dir) / "checkpoints")
+        return int(newest[0].name.removeprefix("step")) if newest else None
+
+    def requeue(self, job_env, restarts: int, started_at: int | None) -> None:
+        """Rank 0, after every task saved the checkpoint: put the job back in the queue, within the limits."""
+        now_at = self.progress()
+        if restarts >= self.max_requeues:
+            print(f"launch: not requeued: the job reached its time limit {restarts + 1} times (max_requeues="
+                  f"{self.max_requeues}); the checkpoint of step {now_at} is saved: submit the same command again "
+                  "to continue", file=sys.stderr, flush=True)
+            return
+        if self.run_dir is not None and now_at == started_at:
+            print(f"launch: not requeued: no optimizer step was taken in this allocation (still at step {now_at}); "
+                  "raise --time or --signal-delay-s", file=sys.stderr, flush=True)
+            return
+        print(f"launch: time limit: checkpoint of step {now_at} saved; requeueing job {job_env.job_id} "
+              f"(requeue {restarts + 1} of at most {self.max_requeues})", file=sys.stderr, flush=True)
+        if job_env.cluster == "local":
+            with open(job_env.paths.folder / f"{job_env.job_id}.requeues", "a") as record:
+                record.write(f"{now_at}\n")
+            raise SystemExit(LOCAL_REQUEUE_EXIT)
+        subprocess.run(["scontrol", "requeue", job_env.job_id], check=True, timeout=60)
+
+    def checkpoint(self, *args, **kwargs):
+        """submitit, on rank 0, for a SIGUSR2 that arrived before the stage handled signals: requeue as is."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)

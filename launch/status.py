@@ -1,0 +1,111 @@
+"""`python -m launch status DIR`: one row per run under DIR (a run directory, a sweep directory, or any folder
+of runs): its latest job and that job's state, the training step, and the latest evaluation.
+
+A job's state comes from Slurm while it knows the job (`squeue`, then `sacct` where accounting is configured),
+else from what submitit wrote (its result file: success or error), else from the run directory
+(finished.json). A local job is running while its controller process (the job id) is alive.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+from pathlib import Path
+
+
+def run_directories(root: Path) -> list[Path]:
+    """Run directories at or below `root` (those with a jobs.jsonl or a config.yaml), sorted."""
+    if (root / "jobs.jsonl").is_file() or (root / "config.yaml").is_file():
+        return [root]
+    sweep = root / "sweep.json"
+    if sweep.is_file():
+        return [Path(run["run_dir"]) for run in json.loads(sweep.read_text())["runs"]]
+    return sorted({path.parent for pattern in ("*/jobs.jsonl", "*/config.yaml") for path in root.glob(pattern)})
+
+
+def latest_job(run_dir: Path) -> dict | None:
+    jobs = run_dir / "jobs.jsonl"
+    if not jobs.is_file():
+        return None
+    lines = [json.loads(line) for line in jobs.read_text().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def job_state(job: dict, run_dir: Path) -> str:
+    job_id = job["job_id"]
+    if job["cluster"] == "slurm":
+        for command in (["squeue", "-h", "-j", job_id, "-o", "%T"],
+                        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"]):
+            try:
+                shown = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            state = shown.stdout.strip().splitlines()
+            if shown.returncode == 0 and state:
+                return state[0].split()[0]
+    else:
+        try:
+            os.kill(int(job_id), 0)
+            return "RUNNING"
+        except (ProcessLookupError, ValueError, PermissionError):
+            pass
+    result = Path(job["folder"]) / f"{job_id}_0_result.pkl"
+    if result.is_file():
+        try:
+            outcome, _ = pickle.loads(result.read_bytes())
+            return "COMPLETED" if outcome == "success" else "FAILED"
+        except Exception:
+            pass
+    return "COMPLETED" if (run_dir / "finished.json").is_file() else "ENDED (state unknown)"
+
+
+def training_step(run_dir: Path) -> str:
+    finished = run_dir / "finished.json"
+    if finished.is_file():
+        return f"{json.loads(finished.read_text())['step']} (done)"
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+        for line in reversed(lines):
+            try:
+                record = json.loads(line)
+                return f"{record['step']} (epoch {record['epoch']})"
+            except (ValueError, KeyError):
+                continue
+    return "-"
+
+
+def latest_evaluation(run_dir: Path) -> str:
+    results = []
+    for path in (run_dir / "eval").glob("*_step*.json"):
+        try:
+            result = json.loads(path.read_text())
+        except ValueError:
+            continue
+        results.append((result.get("step", -1), path.stem.rsplit("_step", 1)[0], result.get("top1")))
+    if not results:
+        return "-"
+    step = max(r[0] for r in results)
+    parts = []
+    for _, protocol, top1 in sorted(r for r in results if r[0] == step):
+        if isinstance(top1, dict):       # k-NN: one value per k; show k=20 (or the first)
+            k, value = ("20", top1["20"]) if "20" in top1 else next(iter(top1.items()))
+            parts.append(f"{protocol}@k{k} {100 * value:.2f}%")
+        elif isinstance(top1, (int, float)):
+            parts.append(f"{protocol} {100 * top1:.2f}%")
+        else:
+            parts.append(protocol)
+    return f"step {step}: " + ", ".join(parts)
+
+
+def status_table(root: Path) -> str:
+    rows = [("run", "job", "state", "step", "latest evaluation")]
+    for run_dir in run_directories(root):
+        job = latest_job(run_dir)
+        rows.append((run_dir.name, f"{job['kind']} {job['job_id']}" if job else "-",
+                     job_state(job, run_dir) if job else "-", training_step(run_dir), latest_evaluation(run_dir)))
+    if len(rows) == 1:
+        return f"no runs under {root} (a run directory holds jobs.jsonl or config.yaml)"
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
