@@ -1,12 +1,13 @@
 # make demo   installs everything it needs, then runs the whole pipeline on the embedded digits data
 # make test   installs everything it needs, then runs the test suite
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
+# make gpu-check  on a machine with a CUDA GPU: the GPU-only tests (tests/gpu), then the GPU throughput table
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev
 
-.PHONY: install demo test bench clean-runs
+.PHONY: install demo test bench gpu-check clean-runs
 
 install: $(VENV)/.installed
 
@@ -32,6 +33,11 @@ test: install
 bench: install
 	$(PY) -m pretrain.bench loader
 	$(PY) -m pretrain.bench hvs
+
+gpu-check: install
+	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on a machine with one; the CPU tests are make test.')"
+	HARDVIEW_GPU_TESTS=1 $(PY) -m pytest tests/gpu
+	$(PY) -m pretrain.bench gpu
 
 clean-runs:
 	rm -rf runs/demo

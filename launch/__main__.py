@@ -138,7 +138,9 @@ def command_pipeline(args: argparse.Namespace) -> int:
     options = cluster_options(args)
     run_dir = pretrain_run_dir(args.config, args.overrides)
     pretraining = pretrain_step(args.config, args.overrides, run_dir)
-    finals = final_steps(run_dir, args.final_protocols, args.transfer)
+    # The watcher evaluates the final checkpoint too: the final job runs only the protocols it does not.
+    final_protocols = ",".join(p for p in split(args.final_protocols) if p not in split(args.watch_protocols))
+    finals = final_steps(run_dir, final_protocols, args.transfer)
     if options.cluster == "local":          # one local job: the stages in order
         steps = [pretraining, watch_step(run_dir, args.watch_protocols), *finals]
         submit(options, run_dir, "pipeline", steps)
@@ -211,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("overrides", nargs="*", metavar="key=value")
     pipeline.add_argument("--watch-protocols", default="knn",
                           help="protocols run on every checkpoint while training goes on (default: %(default)s)")
-    pipeline.add_argument("--final-protocols", default="knn,linear",
-                          help="protocols run on the final export (default: %(default)s)")
+    pipeline.add_argument("--final-protocols", default="linear",
+                          help="protocols run on the final export only, after pretraining succeeded (default: "
+                               "%(default)s; the watch protocols already ran on it)")
     pipeline.add_argument("--transfer", default="",
                           help="transfer stages run on the final export, e.g. finetune,detection (default: none)")
     pipeline.add_argument("--eval-gpus", type=int, default=0, help="GPUs of the evaluation jobs (0 or 1)")

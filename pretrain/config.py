@@ -84,6 +84,7 @@ class EngineConfig:
     zero_stage: int = 0                      # DeepSpeed ZeRO stage 0-3
     precision: str = "auto"                  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     sync_batchnorm: bool = True              # SyncBatchNorm on multi-GPU runs (never on CPU)
+    channels_last: bool = False              # NHWC convolutions on GPUs (faster for ResNets in bf16; no effect on CPU)
     checkpoint_every_steps: int = 0          # 0: at the end of every epoch only
     keep_checkpoints: int = 2
     keep_exports: int = 0                    # backbone exports kept, one per checkpoint (0: all, for `eval watch`)

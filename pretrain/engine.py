@@ -172,6 +172,8 @@ def train(cfg: DictConfig) -> Path:
         method = build_method(cfg, steps_per_epoch)
         if device.type == "cuda" and world_size > 1 and cfg.engine.sync_batchnorm:
             method = nn.SyncBatchNorm.convert_sync_batchnorm(method)  # never on CPU: it raises there
+        if device.type == "cuda" and cfg.engine.channels_last:
+            method = method.to(memory_format=torch.channels_last)     # convolutions then run NHWC (tensor cores)
 
         # ==== optimizer, schedules, DeepSpeed engine ====
         global_batch = cfg.data.batch_size * world_size * cfg.optim.grad_accum

@@ -1,3 +1,4 @@
+import os
 import socket
 
 import pytest
@@ -9,3 +10,7 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# tests/gpu needs CUDA: `make gpu-check` runs it (HARDVIEW_GPU_TESTS=1); `make test` leaves it out.
+collect_ignore_glob = [] if os.environ.get("HARDVIEW_GPU_TESTS") else ["gpu/*"]

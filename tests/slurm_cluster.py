@@ -34,6 +34,12 @@ def ensure_installed() -> None:
                    env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def memory_mb() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -63,7 +69,7 @@ class SlurmCluster:
             f"StateSaveLocation={self.root / 'state'}", f"SlurmdSpoolDir={self.root / 'spool'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={self.root / 'slurmd.pid'}",
             f"SlurmctldLogFile={self.root / 'log/slurmctld.log'}", f"SlurmdLogFile={self.root / 'log/slurmd.log'}",
-            "SlurmctldPort=16817", "SlurmdPort=16818",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2", "MpiDefault=none",
             # What a cluster needs for preemption to reach a job as its --signal (USR2), so it can checkpoint.

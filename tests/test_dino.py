@@ -286,7 +286,8 @@ def two_process_worker(out_dir: Path) -> None:
 
     rank, world, _ = init_distributed()
     results = {}
-    for stage in (0, 2, 3):
+    # bf16 (autocast over fp32 master weights): the EMA must read the fp32 masters, not bf16 copies (issue 10).
+    for stage, bf16 in ((0, False), (0, True), (2, True), (3, True)):
         cfg = tiny_config(f"engine.zero_stage={stage}", "data.batch_size=4", "optim.name=adamw", "optim.lr=0.01",
                           "optim.epochs=2", "optim.grad_clip=1.0", "method.momentum_teacher=0.9",
                           "method.freeze_last_layer_epochs=1")
@@ -304,7 +305,7 @@ def two_process_worker(out_dir: Path) -> None:
         views = random_views(4, generator=g)
         set_schedule_values(optimizer, 0.01, 0.04, 0.01, 0)
         train_step(engine, method, views, random_boxes(views, g), torch.zeros(4, dtype=torch.long), cfg.hvs,
-                   random.Random(0))
+                   random.Random(0), bf16=bf16)
         method.after_step(engine.global_steps)
         m = float(method.momentum_schedule[0])
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
@@ -317,11 +318,12 @@ def two_process_worker(out_dir: Path) -> None:
         checksum = torch.tensor([sum(t.double().sum().item() for t in teacher_after)])
         sums = [torch.zeros(1, dtype=torch.double) for _ in range(world)]
         dist.all_gather(sums, checksum.double())
-        results[f"stage{stage}"] = {
+        results[f"stage{stage}" + ("_bf16" if bf16 else "")] = {
             "global_steps": engine.global_steps, "ema_error": ema_error, "student_moved": moved,
             "teacher_moved": max((t - t0).abs().max().item() for t, t0 in zip(teacher_after, teacher_before)),
             "last_layer_moved": (student_after[last] - student_before[last]).abs().max().item(),
-            "teacher_rank_spread": (max(sums) - min(sums)).item()}
+            "teacher_rank_spread": (max(sums) - min(sums)).item(),
+        "student_fp32": all(p.dtype == torch.float32 for p in student)}
         del engine, optimizer
 
     # The centre: every rank's batch differs; both must get the update of the concatenated batch.
@@ -350,10 +352,13 @@ def two_process_results(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_teacher_is_the_ema_of_the_student_after_a_deepspeed_step(two_process_results, stage):
+@pytest.mark.parametrize("run", ["stage0", "stage0_bf16", "stage2_bf16", "stage3_bf16"])
+def test_teacher_is_the_ema_of_the_student_after_a_deepspeed_step(two_process_results, run):
+    """teacher = m * teacher + (1 - m) * master after a real step, the masters gathered in fp32: with bf16 a
+    teacher built from bf16 copies of the student would be off by about (1 - m) * |w| * 2^-8 (1e-5 here)."""
     for rank in two_process_results:
-        r = rank[f"stage{stage}"]
+        r = rank[run]
+        assert r["student_fp32"]
         assert r["global_steps"] == 1
         assert r["student_moved"] > 1e-4 and r["teacher_moved"] > 1e-5         # a real step, a real EMA
         assert r["ema_error"] < 1e-6                                           # teacher = m t0 + (1 - m) s

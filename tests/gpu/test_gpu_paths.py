@@ -1,0 +1,157 @@
+"""What only a CUDA GPU can check (`make gpu-check`, which also prints `python -m pretrain.bench gpu`):
+
+- a bf16 training step (autocast over fp32 master weights) within 10% of the fp32 step, for every method;
+- the device-side augmentation on CUDA equal to the CPU path for the same random draws;
+- hard view selection on CUDA choosing the views the CPU chooses for the same inputs and weights;
+- DINO's EMA teacher updated from the fp32 master weights under bf16 on CUDA;
+- NCCL and SyncBatchNorm: a 2-process NCCL run (one GPU each where there are two, else both on one GPU is
+  refused by NCCL, so one process) with the engine's SyncBatchNorm conversion, statistics synchronised.
+"""
+import copy
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.test_engine_step import CONFIGS, METHOD_CONFIGS, TINY, views_and_boxes
+
+ROOT = Path(__file__).parents[2]
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    from pretrain.engine import init_distributed
+
+    init_distributed()           # one NCCL process on GPU 0
+    yield
+
+
+@pytest.mark.parametrize("config", METHOD_CONFIGS)
+def test_bf16_step_is_the_fp32_step_within_bf16_rounding(config):
+    from pretrain.config import load_config
+    from pretrain.engine import train_step
+    from pretrain.methods import build_method
+    from pretrain.optim import set_schedule_values
+    from tests.test_engine_step import engine_for
+
+    extra = ["method.out_dim=64"] if config.startswith("dino") else []
+    cfg = load_config(CONFIGS / config, [*TINY, *extra, "optim.name=adamw", "optim.lr=0.001", "hvs.enabled=false"])
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        method = build_method(cfg).to(CUDA)
+        engine, optimizer = engine_for(cfg, method)
+        engine.train()
+        views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(1))
+        views = [v[:, :c].to(CUDA) for v, c in zip(views, method.train_counts)]
+        boxes = [b[:, :c].to(CUDA) for b, c in zip(boxes, method.train_counts)]
+        set_schedule_values(optimizer, 0.001, 0.0, 0.001, 0)
+        loss, _ = train_step(engine, method, views, boxes, labels.to(CUDA), OmegaConf.create(cfg.hvs),
+                             random.Random(0), bf16=precision == "bf16")
+        losses[precision] = loss.item()
+        assert all(p.dtype == torch.float32 for p in method.parameters())        # fp32 masters
+    assert math.isfinite(losses["bf16"])
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.1, abs=0.02)
+
+
+def test_cuda_augmentation_draws_the_cpu_views():
+    from pretrain.data.augment import augment_views
+    from pretrain.data.views import ViewGroup
+
+    canvas = torch.randint(0, 256, (16, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    hw = torch.tensor([[300, 400]] * 16)
+    groups = [ViewGroup(count=2, size=32, blur_p=0.5, solarize_p=0.2), ViewGroup(count=4, size=16)]
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    cpu_views, cpu_boxes = augment_views(canvas, hw, groups, mean, std, torch.Generator().manual_seed(1))
+    cuda_views, cuda_boxes = augment_views(canvas.to(CUDA), hw.to(CUDA), groups, mean, std,
+                                           torch.Generator().manual_seed(1))
+    for a, b in zip(cpu_boxes, cuda_boxes):
+        torch.testing.assert_close(a, b.cpu())
+    for a, b in zip(cpu_views, cuda_views):
+        assert (a - b.cpu()).abs().max() < 1e-3           # the same views, up to float rounding
+
+
+@pytest.mark.parametrize("config", METHOD_CONFIGS)
+def test_selection_on_cuda_chooses_the_cpu_views(config):
+    from pretrain.config import load_config
+    from pretrain.hvs import select_hard_views
+    from pretrain.methods import build_method
+
+    extra = ["method.out_dim=64"] if config.startswith("dino") else []
+    cfg = load_config(CONFIGS / config, [*TINY, *extra])
+    torch.manual_seed(0)
+    cpu = build_method(cfg).train()
+    cuda = copy.deepcopy(cpu).to(CUDA)
+    views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(3))
+    chosen = {}
+    for name, method, device in (("cpu", cpu, "cpu"), ("cuda", cuda, CUDA)):
+        selection = select_hard_views(method, method, [v.to(device) for v in views], [b.to(device) for b in boxes],
+                                      labels.to(device), method.train_counts, max_candidates=cfg.hvs.max_candidates,
+                                      rng=random.Random(0))
+        chosen[name] = selection.chosen.cpu()
+        scores = selection.scores.cpu()
+    # Ties aside (a margin below float rounding), the same candidate per sample.
+    assert (chosen["cpu"] == chosen["cuda"]).float().mean() > 0.95
+
+
+def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
+    from pretrain.config import load_config
+    from pretrain.engine import train_step
+    from pretrain.methods import build_method
+    from pretrain.optim import set_schedule_values
+    from tests.test_engine_step import engine_for
+
+    cfg = load_config(CONFIGS / "dino_digits.yaml", [*TINY, "method.out_dim=64", "optim.name=adamw",
+                                                      "hvs.enabled=false", "method.momentum_teacher=0.9"])
+    torch.manual_seed(0)
+    method = build_method(cfg, steps_per_epoch=2).to(CUDA)
+    engine, optimizer = engine_for(cfg, method)
+    engine.train()
+    views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(5))
+    views = [v[:, :c].to(CUDA) for v, c in zip(views, method.train_counts)]
+    boxes = [b[:, :c].to(CUDA) for b, c in zip(boxes, method.train_counts)]
+    method.teacher_on(CUDA)
+    teacher_before = [p.clone() for p in [*method.teacher["backbone"].parameters(), *method.teacher["head"].parameters()]]
+    set_schedule_values(optimizer, 0.01, 0.04, 0.01, 0)
+    train_step(engine, method, views, boxes, labels.to(CUDA), cfg.hvs, random.Random(0), bf16=True)
+    method.after_step(engine.global_steps)
+    m = float(method.momentum_schedule[0])
+    student = [*method.backbone.parameters(), *method.head.parameters()]
+    teacher = [*method.teacher["backbone"].parameters(), *method.teacher["head"].parameters()]
+    assert all(p.dtype == torch.float32 for p in student)
+    error = max((t - (m * t0 + (1 - m) * s.detach())).abs().max().item()
+                for t, t0, s in zip(teacher, teacher_before, student))
+    assert error < 1e-6
+
+
+def test_nccl_run_with_sync_batchnorm(tmp_path):
+    """A 2-process run where there are 2 GPUs (NCCL refuses two ranks on one GPU; then 1 process): the engine
+    converts BatchNorm to SyncBatchNorm and the processes' running statistics agree."""
+    from pretrain.data.digits import write_digits
+
+    processes = 2 if torch.cuda.device_count() >= 2 else 1
+    write_digits(tmp_path / "digits")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               "-m", "pretrain", "--config", str(CONFIGS / "simclr_digits.yaml"), f"run_dir={tmp_path / 'run'}",
+               f"data.train={tmp_path / 'digits/train.beton'}", f"data.val={tmp_path / 'digits/val.beton'}",
+               "engine.max_steps=5", "engine.precision=bf16"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    export = torch.load(tmp_path / "run/backbone.pth", weights_only=True)
+    assert export["step"] == 5 and all(torch.isfinite(t).all() for t in export["state_dict"].values()
+                                       if t.is_floating_point())
+    if processes == 2:
+        import torch.nn as nn
+
+        from pretrain.config import load_config
+        from pretrain.methods import build_method
+        method = nn.SyncBatchNorm.convert_sync_batchnorm(build_method(load_config(tmp_path / "run/config.yaml")))
+        assert any(isinstance(m, nn.SyncBatchNorm) for m in method.modules())
+    print(json.dumps({"nccl_processes": processes, "step": export["step"]}))

@@ -1,0 +1,72 @@
+"""`python -m eval watch`: every checkpoint of a running pretraining evaluated exactly once, in step order; a
+watcher killed mid-evaluation and restarted adds no duplicate and leaves no gap; a partly written export is
+never read; an export deleted before it was evaluated is listed as skipped."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from pretrain.data.digits import write_digits
+
+ROOT = Path(__file__).parents[1]
+CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, f"exited with {process.returncode} while waiting for {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(tmp_path):
+    digits, run_dir = tmp_path / "digits", tmp_path / "run"
+    write_digits(digits)
+    pretraining = subprocess.Popen(
+        [sys.executable, "-m", "pretrain", "--config", str(CONFIG), f"run_dir={run_dir}",
+         f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}", "data.batch_size=128",
+         "data.num_workers=1", "model.proj_hidden_dim=64", "model.proj_out_dim=32", "engine.max_steps=9",
+         "engine.checkpoint_every_steps=3", "engine.image_grid_every_steps=0"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    (run_dir / "exports").mkdir(parents=True, exist_ok=True)
+    # An export being written: a temporary name, never listed in published.txt. It must never be read.
+    (run_dir / "exports" / ".backbone_step00000012.pth.tmp").write_bytes(b"half a file")
+    watch = [sys.executable, "-m", "eval", "watch", "--run", str(run_dir), "--protocols", "knn,linear",
+             "--poll-seconds", "0.5", "--num-workers", "1"]
+    log = tmp_path / "watch_1.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(watch, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: "evaluating step 6: linear" in log.read_text(), first, "the linear probe of step 6")
+        first.send_signal(signal.SIGKILL)                     # mid-evaluation: step 6's linear is not recorded
+        first.wait()
+    assert (run_dir / "eval/knn_step0000006.json").is_file()
+    assert not (run_dir / "eval/linear_step0000006.json").exists()
+
+    assert pretraining.wait(timeout=240) == 0, pretraining.stderr.read().decode()[-3000:]
+    # A step published but whose export is gone (rotated away by engine.keep_exports) is listed, not waited for.
+    with open(run_dir / "exports/published.txt", "a") as published:
+        published.write("10\n")
+    second = subprocess.run(watch, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "took over the lock of an earlier run" in second.stderr          # the killed watcher's lock
+    done = [line for line in second.stdout.splitlines() if line.startswith("evaluating")]
+    assert done[0] == "evaluating step 6: linear"                           # completes the interrupted one
+    assert done == ["evaluating step 6: linear", "evaluating step 9: knn", "evaluating step 9: linear"]
+    assert "skipped step 10: its export was deleted" in second.stdout
+
+    for protocol in ("knn", "linear"):
+        results = sorted((run_dir / "eval").glob(f"{protocol}_step*.json"))
+        assert [json.loads(p.read_text())["step"] for p in results] == [3, 6, 9]
+        assert all(json.loads(p.read_text())["checkpoint"].endswith(f"backbone_step{json.loads(p.read_text())['step']:08d}.pth")
+                   for p in results)
+    events = EventAccumulator(str(run_dir / "tb")).Reload()
+    assert [e.step for e in events.Scalars("eval/knn_top1_k20")] == [3, 6, 9]        # once each, no gap
+    assert [e.step for e in events.Scalars("eval/linear_top1")] == [3, 6, 9]
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 10))      # beside the training curves
+    assert not list((run_dir / "eval").glob("features_step*.pt"))                     # cleaned once all ran
+    assert not (run_dir / "eval" / "watch.lock").exists()

@@ -1,0 +1,147 @@
+"""The launcher's pure parts: the distributed environment a job derives from Slurm's variables (2 nodes x 2
+tasks, a compressed host list), rendezvous ports, sweeps, presets and flags, time limits, the status table."""
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from launch.cluster import LaunchError, cluster_options, time_limit_minutes
+from launch.jobs import distributed_environment, rendezvous_port
+from launch.status import status_table
+from launch.sweep import run_name, sweep_combinations
+
+ROOT = Path(__file__).parents[1]
+
+
+def slurm_task(monkeypatch, node: int, local: int, tasks_per_node: int = 2, nodes: int = 2,
+               nodelist: str = "node[01-02]", job: str = "4242") -> None:
+    """The variables Slurm sets in one task of an sbatch job on `nodes` nodes x `tasks_per_node` tasks."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "SUBMITIT_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", str(nodes))
+    monkeypatch.setenv("SLURM_NNODES", str(nodes))
+    monkeypatch.setenv("SLURM_NTASKS", str(nodes * tasks_per_node))
+    monkeypatch.setenv("SLURM_NODEID", str(node))
+    monkeypatch.setenv("SLURM_LOCALID", str(local))
+    monkeypatch.setenv("SLURM_PROCID", str(node * tasks_per_node + local))
+
+
+def test_two_nodes_by_two_tasks_get_ranks_and_one_master_from_slurms_variables(monkeypatch):
+    import submitit
+
+    seen = {}
+    for node in (0, 1):
+        for local in (0, 1):
+            slurm_task(monkeypatch, node, local)
+            seen[(node, local)] = distributed_environment(submitit.JobEnvironment(), restart_count=0, local=False)
+    assert [seen[k]["RANK"] for k in sorted(seen)] == ["0", "1", "2", "3"]
+    assert {v["WORLD_SIZE"] for v in seen.values()} == {"4"}
+    assert [seen[k]["LOCAL_RANK"] for k in sorted(seen)] == ["0", "1", "0", "1"]
+    assert {v["LOCAL_WORLD_SIZE"] for v in seen.values()} == {"2"}
+    assert {v["MASTER_ADDR"] for v in seen.values()} == {"node01"}            # the first node of node[01-02]
+    assert len({v["MASTER_PORT"] for v in seen.values()}) == 1                 # every task meets at one port
+
+
+@pytest.mark.parametrize("nodelist, master", [("gpu-a[7,9-10]", "gpu-a7"), ("cn017,cn003", "cn017"),
+                                              ("node[001-004]", "node001")])
+def test_compressed_host_lists_give_the_first_node(monkeypatch, nodelist, master):
+    import submitit
+
+    slurm_task(monkeypatch, 1, 0, nodelist=nodelist)
+    assert distributed_environment(submitit.JobEnvironment(), 0, local=False)["MASTER_ADDR"] == master
+
+
+def test_a_requeued_job_meets_at_another_port():
+    # A stale rendezvous of the previous allocation must not be joinable (submitit issue #1613).
+    ports = {rendezvous_port("4242", restarts) for restarts in range(20)}
+    assert len(ports) == 20 and all(20000 <= p < 60000 for p in ports)
+    assert rendezvous_port("4242", 3) == rendezvous_port("4242", 3)
+    assert rendezvous_port("4242", 0) != rendezvous_port("4243", 0)
+
+
+def test_sweep_is_the_product_of_the_values_with_readable_run_names():
+    combinations = sweep_combinations(["optim.lr=0.1,0.2,0.4", "method.temperature=0.1,0.2"])
+    assert len(combinations) == 6
+    assert combinations[0] == ["optim.lr=0.1", "method.temperature=0.1"]
+    assert combinations[-1] == ["optim.lr=0.4", "method.temperature=0.2"]
+    assert run_name("simclr", combinations[1]) == "simclr_lr0.1_temperature0.2"
+    assert run_name("x", ["model.lr=1", "optim.lr=2"]) == "x_model-lr1_optim-lr2"       # same last part
+    for bad in (["optim.lr"], ["optim.lr="], ["optim.lr=0.1", "optim.lr=0.2"]):
+        with pytest.raises(LaunchError, match="--sweep"):
+            sweep_combinations(bad)
+
+
+def test_time_limits_in_minutes_or_slurm_notation():
+    assert time_limit_minutes("90") == 90
+    assert time_limit_minutes("2:00:00") == 120
+    assert time_limit_minutes("1-00:00:00") == 1440
+    assert time_limit_minutes("0:30") == 1
+    with pytest.raises(LaunchError, match="--time 'two hours'"):
+        time_limit_minutes("two hours")
+
+
+def options(**given) -> Namespace:
+    from dataclasses import fields
+
+    from launch.cluster import ClusterOptions
+
+    values = {f.name: None for f in fields(ClusterOptions)}
+    values["sbatch"] = []
+    values.update(given)
+    return Namespace(**values)
+
+
+def test_flags_override_the_preset_and_bad_options_are_refused_by_name(tmp_path):
+    preset = tmp_path / "cluster.yaml"
+    preset.write_text("cluster: slurm\nnodes: 2\ngpus_per_node: 8\npartition: gpu\ntime: '12:00:00'\n"
+                      "sbatch: {exclusive: ''}\n")
+    chosen = cluster_options(options(preset=str(preset), nodes=4, sbatch=["mail-type=END"]))
+    assert (chosen.cluster, chosen.nodes, chosen.gpus_per_node, chosen.tasks, chosen.partition) == \
+        ("slurm", 4, 8, 8, "gpu")
+    assert chosen.sbatch == {"exclusive": "", "mail-type": "END"}
+    assert cluster_options(options(preset="local")).cluster == "local"             # a shipped preset by name
+
+    preset.write_text("nodse: 2\n")
+    with pytest.raises(LaunchError, match="unknown option 'nodse'; did you mean 'nodes'"):
+        cluster_options(options(preset=str(preset)))
+    with pytest.raises(LaunchError, match="--preset 'nowhere'"):
+        cluster_options(options(preset="nowhere"))
+    with pytest.raises(LaunchError, match="--signal-delay-s 600 must be shorter than the time limit"):
+        cluster_options(options(cluster="local", time="5", signal_delay_s=600))
+    with pytest.raises(LaunchError, match="--nodes 2 needs --cluster slurm"):
+        cluster_options(options(cluster="local", nodes=2))
+
+
+def test_cli_refuses_a_bad_config_before_submitting_anything(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "launch", "pretrain", "--config",
+                             str(ROOT / "configs/pretrain/simclr_digits.yaml"), "optim.lr=-1", f"run_dir={tmp_path}/r",
+                             "--cluster", "local"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "optim.lr=-1.0 must be a finite number > 0" in result.stderr
+    assert not (tmp_path / "r").exists()
+    assert subprocess.run([sys.executable, "-m", "launch", "pipeline", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60).returncode == 0
+
+
+def test_status_table_reads_jobs_steps_and_latest_evaluations(tmp_path):
+    runs = tmp_path / "sweep"
+    for name, step in (("a", 7), ("b", 3)):
+        run = runs / name
+        (run / "eval").mkdir(parents=True)
+        (run / "jobs.jsonl").write_text(json.dumps({"kind": "pretrain", "job_id": "999999999", "cluster": "local",
+                                                    "folder": str(run / "jobs")}) + "\n")
+        (run / "metrics.jsonl").write_text(json.dumps({"step": step, "epoch": 1}) + "\n")
+        (run / "eval" / f"knn_step{step:07d}.json").write_text(json.dumps({"step": step, "top1": {"20": 0.5}}))
+    (runs / "a" / "finished.json").write_text(json.dumps({"step": 7, "epoch": 2}))
+    table = status_table(runs).splitlines()
+    assert table[0].split() == ["run", "job", "state", "step", "latest", "evaluation"]
+    assert table[1].split()[:5] == ["a", "pretrain", "999999999", "COMPLETED", "7"]
+    assert "step 7: knn@k20 50.00%" in table[1]
+    assert table[2].split()[:4] == ["b", "pretrain", "999999999", "ENDED"] and "(epoch 1)" in table[2]

@@ -1,0 +1,163 @@
+"""`python -m launch` against a real Slurm scheduler, started on this machine by the tests (tests/slurm_cluster.py):
+
+- a 2-process pretraining job hits its time limit, saves a checkpoint of the step it was taking, requeues
+  itself and resumes at exactly that step; `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) makes it
+  resume from its newest complete checkpoint; it finishes with each step logged once and every lr the
+  schedule's value;
+- a sweep of two runs is one job array, and `launch status` reads both;
+- a pipeline's final evaluation starts only after pretraining succeeded (and never when it failed).
+"""
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain.data.digits import write_digits
+from tests.slurm_cluster import SlurmCluster
+from tests.test_pretrain_run import hand_computed_lr
+
+ROOT = Path(__file__).parents[1]
+CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
+TINY = ["data.batch_size=32", "data.num_workers=1", "model.proj_hidden_dim=64", "model.proj_out_dim=32",
+        "engine.image_grid_every_steps=0"]
+SLURM = ["--cluster", "slurm", "--cpus-per-task", "1"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    write_digits(out)
+    return out
+
+
+def launch(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "launch", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def data(digits: Path) -> list[str]:
+    return [f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}"]
+
+
+def submitted(stdout: str) -> list[str]:
+    return re.findall(r"submitted \S+ job (\S+)", stdout)
+
+
+def wait_until(condition, what: str, timeout: float = 400) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)
+
+
+def logged(run_dir: Path) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def job_logs(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "jobs").glob("*_log.*")))
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step(cluster, digits, tmp_path):
+    run_dir = tmp_path / "run"
+    stop = 150
+    result = launch("pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
+                    f"engine.max_steps={stop}", "engine.checkpoint_every_steps=1000",
+                    *SLURM, "--tasks-per-node", "2", "--time", "1", "--signal-delay-s", "5", "--max-requeues", "6")
+    [job] = submitted(result.stdout)
+    assert str(run_dir) in result.stdout and f"{job}_0_log.out" in result.stdout
+
+    # 1. The time limit: SIGUSR2 before it, a checkpoint of the step taken then, a requeue, a resume there.
+    wait_until(lambda: "requeueing job" in job_logs(run_dir), "the time-limit requeue")
+    saved = int(re.search(r"time limit: checkpoint of step (\d+) saved", job_logs(run_dir)).group(1))
+    assert (run_dir / f"checkpoints/step{saved:08d}/trainer_state.json").is_file()
+    wait_until(lambda: any(line["step"] > saved for line in logged(run_dir)), "training after the requeue")
+    assert f"resumed {run_dir} at step {saved} " in job_logs(run_dir)        # zero steps lost
+    assert cluster.restart_count(job) >= 1
+
+    # 2. scontrol requeue (what an admin or a preemption does): SIGTERM, checkpoint, Slurm requeues the job.
+    requeued_at = len(logged(run_dir))
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    wait_until(lambda: (run_dir / "finished.json").is_file(), "the end of the run", timeout=500)
+    logs = job_logs(run_dir)
+    resumes = [int(step) for step in re.findall(rf"resumed {re.escape(str(run_dir))} at step (\d+) ", logs)]
+    after_requeue = [step for step in resumes if step >= requeued_at - 1]
+    assert after_requeue, logs[-3000:]
+    # It resumed from the newest complete checkpoint at that moment: the one the SIGTERM stop saved, if the
+    # stop finished within KillWait, else the last one before (a cut-short checkpoint is never loaded).
+    assert after_requeue[0] in [int(p.name.removeprefix("step")) for p in (run_dir / "checkpoints").glob("step*")] \
+        or "stopped on a signal after step" not in logs.split("DUE TO JOB REQUEUE")[-1]
+    assert cluster.restart_count(job) >= 2
+
+    lines = logged(run_dir)
+    assert [line["step"] for line in lines] == list(range(1, stop + 1))       # each step once, none lost
+    for line in lines:
+        assert line["train/lr"] == pytest.approx(hand_computed_lr(line["step"] - 1), rel=1e-9, abs=1e-12)
+    assert json.loads((run_dir / "finished.json").read_text())["step"] == stop
+    steps_lost = [step for step in resumes if step < saved]
+    assert not steps_lost
+    # For the README: seconds from the last step before the time-limit stop to the first step after it.
+    times = {line["step"]: line["time"] for line in lines}
+    print(f"time-limit requeue: stopped after step {saved}; training again {times[saved + 1] - times[saved]:.1f} s later")
+
+
+def test_a_sweep_is_one_job_array_and_status_reads_every_run(cluster, digits, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = launch("pretrain", "--config", str(CONFIG), *TINY, *data(digits), "name=tiny", "engine.max_steps=3",
+                    *SLURM, "--time", "10", "--sweep", "optim.lr=0.1,0.2", "--sweep-dir", str(sweep_dir))
+    jobs = submitted(result.stdout)
+    assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1    # array ID_0 and ID_1
+    runs = [sweep_dir / "tiny_lr0.1", sweep_dir / "tiny_lr0.2"]
+    wait_until(lambda: all((run / "finished.json").is_file() for run in runs), "both runs of the sweep")
+    from pretrain.config import load_config
+    assert [load_config(run / "config.yaml").optim.lr for run in runs] == [0.1, 0.2]
+    status = launch("status", str(sweep_dir)).stdout.splitlines()
+    assert [row.split()[0] for row in status[1:]] == ["tiny_lr0.1", "tiny_lr0.2"]
+    for row, job in zip(status[1:], jobs):
+        assert f"pretrain {job}" in row and "3 (done)" in row and "COMPLETED" in row
+
+
+def test_pipeline_evaluates_only_after_pretraining_succeeded(cluster, digits, tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
+                    "engine.max_steps=4", "engine.checkpoint_every_steps=2", "--watch-protocols", "knn",
+                    "--final-protocols", "knn,linear", *SLURM, "--time", "10")
+    pretraining, watcher, final = submitted(result.stdout)
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
+    assert kinds == ["pretrain", "eval-watch", "final-eval"]
+    assert scontrol_job(final)["Dependency"] == f"afterok:{pretraining}(unfulfilled)" or \
+        scontrol_job(final)["JobState"] in ("RUNNING", "COMPLETED")
+    wait_until(lambda: (run_dir / "eval/linear_step0000004.json").is_file(), "the final linear probe")
+    wait_until(lambda: scontrol_job(final).get("JobState") == "COMPLETED", "the final evaluation job")
+    assert scontrol_job(final)["StartTime"] >= scontrol_job(pretraining)["EndTime"]   # only after pretraining
+    wait_until(lambda: scontrol_job(watcher).get("JobState") == "COMPLETED", "the watcher")
+    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == \
+        ["knn_step0000002.json", "knn_step0000004.json"]                      # the watcher's, each checkpoint
+
+    # A pretraining that fails: its final evaluation never starts.
+    broken = tmp_path / "broken"
+    result = launch("pipeline", "--config", str(CONFIG), *TINY, f"data.train={tmp_path / 'missing.beton'}",
+                    f"run_dir={broken}", *SLURM, "--time", "10")
+    pretraining, watcher, final = submitted(result.stdout)
+    wait_until(lambda: scontrol_job(pretraining).get("JobState") == "FAILED", "the failed pretraining")
+    wait_until(lambda: scontrol_job(final).get("Reason") == "DependencyNeverSatisfied", "the final job's verdict")
+    assert scontrol_job(final)["JobState"] == "PENDING"
+    subprocess.run(["scancel", watcher, final], check=True)
