@@ -7,7 +7,6 @@ two-process tests.
 """
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -383,16 +382,15 @@ def digits(tmp_path_factory):
     return out
 
 
-def pretrain(run_dir: Path, digits: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pretrain", "--config", str(CONFIG), f"run_dir={run_dir}",
-               f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}", *TINY,
-               "data.batch_size=16", "hvs.enabled=true", "engine.checkpoint_every_steps=1",
-               "engine.keep_checkpoints=10", "method.momentum_teacher=0.5", "optim.warmup_epochs=0",
-               "optim.lr=0.01", *overrides]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
+def pretrain(run_dir: Path, digits: Path, *overrides: str):
+    """`python -m pretrain ...` (forked from a server that imported torch: tests/forked_runs.py)."""
+    from tests import forked_runs
+
+    return forked_runs.run("pretrain", [
+        "--config", CONFIG, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
+        f"data.val={digits / 'val.beton'}", *TINY, "data.batch_size=16", "hvs.enabled=true",
+        "engine.checkpoint_every_steps=1", "engine.keep_checkpoints=10", "method.momentum_teacher=0.5",
+        "optim.warmup_epochs=0", "optim.lr=0.01", *overrides], env={"OMP_NUM_THREADS": "1"})
 
 
 def saved_state(run_dir: Path, step: int) -> dict:

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -316,8 +314,11 @@ def test_augmented_linear_probe_trains_through_the_frozen_backbone():
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_module(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+def run_module(*args: str):
+    """`python -m MODULE ARGS` (forked from a server that imported torch: tests/forked_runs.py)."""
+    from tests import forked_runs
+
+    return forked_runs.run(args[0], list(args[1:]), expect=None)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.config import load_config
 from pretrain.data.digits import write_digits
+from tests import forked_runs
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
@@ -61,21 +62,36 @@ def kill_process_tree(pid: int) -> None:
             pass
 
 
-def run(command: list[str], timeout: int = 300, expect: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(command: list[str], timeout: int = 300, expect: int = 0, env: dict | None = None):
+    """Run `command` to completion as a user would; a `python -m pretrain|eval ...` of this project runs in a
+    process forked from a server that has already imported torch (a second, not 12, to start)."""
+    project = forked_runs.project_command(command)
+    if project is not None:
+        return forked_runs.run(*project, expect=expect, timeout=timeout, env=env)
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, **(env or {})})
     assert result.returncode == expect, result.stderr[-3000:]
     return result
 
 
+def start(command: list[str]):
+    """Start `command` without waiting (forked, as `run`, when it is a single-process project command)."""
+    project = forked_runs.project_command(command)
+    if project is not None:
+        return forked_runs.start(*project)
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
 def logged(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def wait_for(condition, process: subprocess.Popen, timeout: float = 240) -> None:
+def wait_for(condition, process, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while not condition():
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        if process.poll() is not None:
+            stderr = process.stderr if isinstance(process, forked_runs.ForkedRun) else process.stderr.read().decode()
+            raise AssertionError(f"the run ended with {process.poll()}: {stderr[-3000:]}")
         assert time.time() < deadline, "timed out"
         time.sleep(0.05)
 
@@ -179,8 +195,7 @@ def test_resumed_run_equals_the_uninterrupted_one_across_an_epoch_with_a_remaind
     run(pretrain_command(straight, digits, *common))
 
     killed = tmp_path / "killed"
-    first = subprocess.Popen(pretrain_command(killed, digits, *common), cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+    first = start(pretrain_command(killed, digits, *common))
     wait_for(lambda: (killed / "checkpoints/latest").exists(), first)
     kill_process_tree(first.pid)
     first.wait()
@@ -281,12 +296,11 @@ def test_divergence_stops_at_the_step_and_keeps_the_last_finite_checkpoint(digit
 def test_sigterm_finishes_the_step_saves_a_checkpoint_and_the_run_resumes(digits, tmp_path):
     run_dir = tmp_path / "run"
     common = ("engine.checkpoint_every_steps=0", "engine.image_grid_every_steps=0")   # only epoch ends: 44 steps
-    process = subprocess.Popen(pretrain_command(run_dir, digits, *common), cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    process = start(pretrain_command(run_dir, digits, *common))
     wait_for(lambda: logged_steps(run_dir) >= 2, process)
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    stderr = stderr.decode()
+    process.wait(timeout=120)
+    stderr = process.stderr
     assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "SIGTERM: stopping after this optimizer step" in stderr and "stopped on a signal after step" in stderr
     stopped_at = int(stderr.split("stopped on a signal after step ")[1].split(",")[0])
@@ -316,12 +330,33 @@ def test_a_second_signal_exits_at_once():
     assert "SIGTERM again: exiting now" in result.stderr
 
 
+def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warning_is_kept():
+    """SIGUSR2 (a time-limit or preemption warning) then the scheduler's SIGTERM seconds later: one stop, the
+    checkpoint being written is not cut short. A warning that reached a launched job before the training loop
+    handled signals (launch.jobs.hold_stop_signals) counts as received."""
+    script = (
+        "import os, signal, time, torch\n"
+        "from pretrain.graceful_stop import GracefulStop, PENDING_STOP_SIGNAL\n"
+        "stop = GracefulStop(repeat_window_s=0.2)\n"
+        "os.kill(os.getpid(), signal.SIGUSR2); time.sleep(0.5)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5)\n"
+        "print('requested', stop.requested_on_any_rank(torch.device('cpu')), flush=True)\n"
+        "stop.restore()\n"
+        "os.environ[PENDING_STOP_SIGNAL] = str(int(signal.SIGUSR2))\n"
+        "later = GracefulStop()\n"
+        "print('adopted', later.requested_on_any_rank(torch.device('cpu')), PENDING_STOP_SIGNAL in os.environ)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"requested {int(signal.SIGUSR2)}" in result.stdout                  # still running: one stop
+    assert f"adopted {int(signal.SIGUSR2)} False" in result.stdout
+    assert "time-limit or preemption warning" in result.stderr and "exiting now" not in result.stderr
+
+
 def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(digits, tmp_path):
     run_dir = tmp_path / "run"
     # No checkpoint before the end of epoch 0, which at 2 images per batch is 718 steps away.
     common = ("engine.checkpoint_every_steps=0", "engine.image_grid_every_steps=0", "data.batch_size=2")
-    first = subprocess.Popen(pretrain_command(run_dir, digits, *common), cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+    first = start(pretrain_command(run_dir, digits, *common))
     wait_for(lambda: logged_steps(run_dir) >= 2, first)
     second = run(pretrain_command(run_dir, digits, *common, "engine.max_steps=3"), expect=2)
     assert f"is in use by pid {first.pid}" in second.stderr and "another name=" in second.stderr

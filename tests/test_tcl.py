@@ -4,8 +4,6 @@ processes, hard view selection over k-subsets, and tiny whole runs of both metho
 import json
 import math
 import os
-import subprocess
-import sys
 from itertools import combinations
 from pathlib import Path
 
@@ -323,12 +321,12 @@ GRAD_POS_BOUND = {"tcl_digits.yaml": 1 / 2 + 0.1, "tcl_supervised_digits.yaml": 
 ])
 def test_tiny_runs_log_figure3_quantities(digits, tmp_path, config, overrides):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "pretrain", "--config", str(CONFIGS / config), f"run_dir={run_dir}",
-               f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}", "data.batch_size=32",
-               "data.num_workers=1", "model.proj_hidden_dim=64", "model.proj_out_dim=32", "engine.max_steps=3",
-               "engine.image_grid_every_steps=0", *overrides]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+    from tests import forked_runs
+
+    forked_runs.run("pretrain", [       # `python -m pretrain ...`, forked from a server that imported torch
+        "--config", CONFIGS / config, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
+        f"data.val={digits / 'val.beton'}", "data.batch_size=32", "data.num_workers=1", "model.proj_hidden_dim=64",
+        "model.proj_out_dim=32", "engine.max_steps=3", "engine.image_grid_every_steps=0", *overrides])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
     for line in lines:

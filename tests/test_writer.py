@@ -101,9 +101,11 @@ def test_cli_reports_a_missing_folder_and_has_help(tmp_path):
     assert helped.returncode == 0 and "--max-side" in helped.stdout
 
 
-def write_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain.data", "write", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+def write_cli(*args: str, timeout: int = 120):
+    """`python -m pretrain.data write ARGS`, forked from a server that imported torch (tests/forked_runs.py)."""
+    from tests import forked_runs
+
+    return forked_runs.run("pretrain.data", ["write", *args], expect=None, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
