@@ -2,8 +2,6 @@
 tasks, a compressed host list), rendezvous ports, sweeps, presets and flags, time limits, the status table."""
 import json
 import os
-import subprocess
-import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -121,13 +119,13 @@ def test_flags_override_the_preset_and_bad_options_are_refused_by_name(tmp_path)
 
 
 def test_cli_refuses_a_bad_config_before_submitting_anything(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "launch", "pretrain", "--config",
-                             str(ROOT / "configs/pretrain/simclr_digits.yaml"), "optim.lr=-1", f"run_dir={tmp_path}/r",
-                             "--cluster", "local"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "optim.lr=-1.0 must be a finite number > 0" in result.stderr
+    from tests import forked_runs
+
+    result = forked_runs.run("launch", ["pretrain", "--config", ROOT / "configs/pretrain/simclr_digits.yaml",
+                                        "optim.lr=-1", f"run_dir={tmp_path}/r", "--cluster", "local"], expect=2)
+    assert "optim.lr=-1.0 must be a finite number > 0" in result.stderr
     assert not (tmp_path / "r").exists()
-    assert subprocess.run([sys.executable, "-m", "launch", "pipeline", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60).returncode == 0
+    assert "--watch-protocols" in forked_runs.run("launch", ["pipeline", "--help"]).stdout
 
 
 def test_status_table_reads_jobs_steps_and_latest_evaluations(tmp_path):

@@ -10,13 +10,13 @@
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from pretrain.data.digits import write_digits
+from tests import forked_runs
 from tests.slurm_cluster import SlurmCluster
 from tests.test_pretrain_run import hand_computed_lr
 
@@ -40,11 +40,10 @@ def digits(tmp_path_factory):
     return out
 
 
-def launch(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "launch", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def launch(*args: str, timeout: int = 180):
+    """`python -m launch ARGS`, forked from a server that imported torch (tests/forked_runs.py); the jobs it
+    submits run in Slurm's own processes."""
+    return forked_runs.run("launch", list(args), timeout=timeout)
 
 
 def data(digits: Path) -> list[str]:
