@@ -118,6 +118,8 @@ def images_per_second(loader, epochs: int = 3) -> tuple[float, float]:
 
 
 def run_loader_benchmark(args: argparse.Namespace) -> dict:
+    if args.sizes == "imagenet":
+        return run_imagenet_loader_benchmark(args)
     from pretrain.data.loader import build_view_loader
     from pretrain.data.views import ViewGroup
     from pretrain.data.writer import write_image_folder
@@ -177,7 +179,221 @@ def add_loader_command(commands) -> None:
     loader.add_argument("--data-dir", default="bench/data", help="Where the synthetic images are cached. "
                                                                  "Default: bench/data.")
     loader.add_argument("--out", default="bench/loader.json", help="JSON result file. Default: bench/loader.json.")
+    loader.add_argument("--sizes", choices=("digits", "imagenet"), default="digits",
+                        help="digits: 64 px JPEGs -> 32 px views (the default); imagenet: ~400 x 350 px JPEGs -> "
+                             "SimCLR 2x224 / 4x224 and DINO 2x224+6x96 / 4x224+16x96, decode once vs one decode per "
+                             "view vs torchvision, each in a process of its own (memory), a canvas-size sweep and "
+                             "a profile")
+    loader.add_argument("--canvas", type=int, default=384, help="imagenet: the decode-once canvas. Default: 384.")
+    loader.add_argument("--canvas-sweep", type=int, nargs="*", default=[256, 512],
+                        help="imagenet: further canvases timed for SimCLR and DINO. Default: 256 512.")
     loader.set_defaults(run=run_loader_benchmark)
+    case = commands.add_parser("loader-case", help=argparse.SUPPRESS)
+    case.add_argument("--case", required=True)
+    case.add_argument("--batch-size", type=int, default=64)
+    case.add_argument("--workers", type=int, default=2)
+    case.add_argument("--epochs", type=int, default=2)
+    case.set_defaults(run=lambda args: print(json.dumps(run_loader_case(args))) or {}, out=None)
+
+
+# ==== loader at ImageNet sizes: decode once vs one decode per view vs torchvision, in processes of their own ====
+
+def imagenet_recipes() -> dict[str, list]:
+    """The view recipes users train with at 224 px, as `data.views` groups (configs/pretrain/*imagenet*)."""
+    from pretrain.data.views import ViewGroup
+
+    simclr = dict(size=224, scale=(0.08, 1.0), brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2, blur_p=0.5)
+    glob = dict(size=224, scale=(0.4, 1.0), brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)
+    local = dict(size=96, scale=(0.05, 0.4), brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1, blur_p=0.5)
+
+    def dino(globals_per_kind: int, locals_: int) -> list:
+        return [ViewGroup(count=globals_per_kind, blur_p=1.0, **glob),
+                ViewGroup(count=globals_per_kind, blur_p=0.1, solarize_p=0.2, **glob),
+                ViewGroup(count=locals_, **local)]
+    return {"SimCLR 2x224": [ViewGroup(count=2, **simclr)], "SimCLR HVS 4x224": [ViewGroup(count=4, **simclr)],
+            "DINO 2x224+6x96": dino(1, 6), "DINO HVS 4x224+16x96": dino(2, 16)}
+
+
+class DecodePerViewLoader:
+    """FFCV-SSL's way, emulated with the registry's FFCV: one FFCV pipeline per view over the same .beton, each
+    decoding the whole JPEG again and cropping its view (FFCV's RandomResizedCropRGBImageDecoder), then flip and
+    colour in torch as the decode-once loader does. Iterated in lockstep: a batch holds every view."""
+
+    def __init__(self, path: Path, groups: list, batch_size: int, num_workers: int, seed: int = 0):
+        from dataclasses import replace
+
+        from ffcv.fields.basics import IntDecoder
+        from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder
+        from ffcv.loader import OrderOption
+        from ffcv.transforms import ToTensor
+
+        from pretrain.data.ffcv_loader import ReorderableLoader
+
+        self.groups = groups
+        self.loaders = []
+        for group in groups:
+            for _ in range(group.count):
+                pipelines = {"image": [RandomResizedCropRGBImageDecoder((group.size, group.size), group.scale,
+                                                                        group.ratio), ToTensor()],
+                             "label": [IntDecoder(), ToTensor()], "index": None, "height": None, "width": None}
+                self.loaders.append(ReorderableLoader(str(path), batch_size=batch_size, num_workers=num_workers,
+                                                      order=OrderOption.SEQUENTIAL, pipelines=pipelines,
+                                                      drop_last=True, indices=np.arange(1, dtype=np.uint64)))
+        # flip + colour of a view that is already cropped: the whole crop, resized to itself
+        self.finish = [replace(group, count=1, scale=(1.0, 1.0), ratio=(1.0, 1.0)) for group in groups]
+        self.seed = seed
+        self.num_images = int(self.loaders[0].reader.num_samples)
+
+    def epoch(self, epoch: int):
+        from pretrain.data.augment import augment_group
+        from pretrain.data.ffcv_loader import ffcv_batches
+        from pretrain.data.loader import seeded_generator
+        from pretrain.data.views import ViewBatch
+
+        order = torch.randperm(self.num_images, generator=seeded_generator(self.seed, epoch)).numpy()
+        streams = [ffcv_batches(loader, order) for loader in self.loaders]
+        for step, crops in enumerate(zip(*streams)):
+            generator = seeded_generator(self.seed, epoch, step)
+            views, k = [], 0
+            for group, finish in zip(self.groups, self.finish):
+                side = torch.tensor([[group.size, group.size]]).expand(crops[k][0].shape[0], 2)
+                drawn = [augment_group(crops[k + i][0].float(), side, finish, generator, 1 / 255)[0]
+                         for i in range(group.count)]
+                views.append(torch.cat(drawn, dim=1))
+                k += group.count
+            yield ViewBatch(views=views, boxes=[], labels=crops[0][1], indices=crops[0][1])
+
+
+def upsampled_share(groups: list, canvas: int | None, source_hw=(350, 400), draws: int = 20000) -> float:
+    """Share of the recipe's views whose crop covers fewer canvas pixels than the view has (on either side): the
+    view is then upsampled, blurrier than the source allows. canvas None: the source image's own pixels."""
+    from pretrain.data.augment import sample_crop_boxes
+
+    upsampled, total = 0, 0
+    for group in groups:
+        hw = torch.tensor([source_hw], dtype=torch.float64).expand(draws, 2)
+        boxes = sample_crop_boxes(hw, group.scale, group.ratio, torch.Generator().manual_seed(0))
+        height, width = (canvas, canvas) if canvas else source_hw
+        small = ((boxes[:, 3] - boxes[:, 1]) * height < group.size) | ((boxes[:, 2] - boxes[:, 0]) * width < group.size)
+        upsampled += int(small.sum()) * group.count
+        total += draws * group.count
+    return upsampled / total
+
+
+def run_loader_case(args: argparse.Namespace) -> dict:
+    """One case in this process (a process of its own per case, so that its memory is its own)."""
+    from pretrain.data.loader import build_view_loader
+
+    case = json.loads(args.case)
+    groups = imagenet_recipes()[case["recipe"]]
+    torch.set_num_threads(args.workers)
+    if case["loader"] == "decode once":
+        loader = build_view_loader(case["beton"], groups, args.batch_size, canvas_size=case["canvas"],
+                                   num_workers=args.workers)
+    elif case["loader"] == "decode per view":
+        loader = DecodePerViewLoader(Path(case["beton"]), groups, args.batch_size, args.workers)
+    else:
+        loader = build_view_loader(case["folder"], groups, args.batch_size, backend="torchvision",
+                                   num_workers=args.workers)
+    rate, cpu_rate = images_per_second(loader, args.epochs)
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {**case, "images_per_s": round(rate, 1), "images_per_cpu_s": round(cpu_rate, 1),
+            "views_per_s": round(rate * sum(g.count for g in groups), 1), "peak_rss_mb": round(own),
+            "largest_worker_rss_mb": round(workers)}
+
+
+def profile_views(beton: Path, groups: list, canvas: int, batch_size: int, workers: int) -> list[tuple[str, float]]:
+    """Where a decode-once batch's time goes on this device: FFCV's decode to canvases, then the torch ops that
+    draw the views (top operators by self CPU time), per batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pretrain.data.augment import augment_views
+    from pretrain.data.ffcv_loader import build_ffcv_loader, ffcv_batches
+
+    torch.set_num_threads(workers)
+    loader = build_ffcv_loader(beton, canvas, batch_size, workers, drop_last=True)
+    order = np.arange(min(len(loader.reader.alloc_table), 8 * batch_size))
+    list(ffcv_batches(loader, order))                                    # warm-up (numba compilation)
+    start = time.perf_counter()
+    batches = [(b[0], torch.stack([b[3], b[4]], 1)) for b in ffcv_batches(loader, order)]
+    decode_ms = 1000 * (time.perf_counter() - start) / len(batches)
+    generator = torch.Generator().manual_seed(0)
+    augment_views(batches[0][0], batches[0][1], groups, (0.5,) * 3, (0.25,) * 3, generator)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for canvas_, hw in batches:
+            augment_views(canvas_, hw, groups, (0.5,) * 3, (0.25,) * 3, generator)
+    rows = [("FFCV decode + stretch to canvas", decode_ms)]
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
+    rows += [(f"torch {e.key}", e.self_cpu_time_total / 1000 / len(batches)) for e in events]
+    return rows
+
+
+def run_imagenet_loader_benchmark(args: argparse.Namespace) -> dict:
+    """The cases in processes of their own, then the tables, the canvas sweep and the profile."""
+    import subprocess
+
+    from pretrain.data.writer import write_image_folder
+
+    work_dir = Path(args.data_dir)
+    folder = synthetic_photo_folder(work_dir / f"photos-{args.images}", args.images)
+    beton = work_dir / f"photos-{args.images}.beton"
+    if not beton.exists():
+        write_image_folder(folder, beton, workers=args.workers)
+    recipes = imagenet_recipes()
+    cases = [{"recipe": r, "loader": loader, "canvas": args.canvas if loader == "decode once" else None}
+             for r in recipes for loader in ("decode once", "decode per view", "torchvision")]
+    cases += [{"recipe": r, "loader": "decode once", "canvas": c} for r in ("SimCLR 2x224", "DINO 2x224+6x96")
+              for c in args.canvas_sweep if c != args.canvas]
+    print(f"1-minute load average before: {os.getloadavg()[0]:.2f}")
+    rows = []
+    for case in cases:
+        case = {**case, "beton": str(beton), "folder": str(folder)}
+        finished = subprocess.run([sys.executable, "-m", "pretrain.bench", "loader-case", "--case", json.dumps(case),
+                                   "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs",
+                                   str(args.epochs)], capture_output=True, text=True, check=True)
+        row = json.loads(finished.stdout.strip().splitlines()[-1])
+        row["upsampled_share"] = round(upsampled_share(recipes[row["recipe"]], row["canvas"]), 3)
+        rows.append(row)
+        print(f"  {row['recipe']:<22}{row['loader']:<17}canvas={str(row['canvas']):<5}{row['images_per_s']:8.1f} "
+              f"images/s {row['images_per_cpu_s']:8.1f} images/CPU-s  peak RSS {row['peak_rss_mb']} MB "
+              f"(workers {row['largest_worker_rss_mb']} MB)", flush=True)
+
+    def rate(recipe, loader, canvas=args.canvas, metric="images_per_cpu_s"):
+        return next(r[metric] for r in rows if r["recipe"] == recipe and r["loader"] == loader
+                    and (loader != "decode once" or r["canvas"] == canvas))
+
+    print(f"\nimages / CPU second (images / wall second), {args.images} JPEGs ~400 x 350 px q90, batch "
+          f"{args.batch_size}, {args.workers} workers, decode-once canvas {args.canvas}")
+    print(f"{'recipe':<22}{'decode once':>18}{'decode per view':>18}{'torchvision':>18}{'once/torchvision':>18}")
+    for recipe in recipes:
+        cells = [f"{rate(recipe, l):.0f} ({rate(recipe, l, metric='images_per_s'):.0f})"
+                 for l in ("decode once", "decode per view", "torchvision")]
+        print(f"{recipe:<22}{cells[0]:>18}{cells[1]:>18}{cells[2]:>18}"
+              f"{rate(recipe, 'decode once') / rate(recipe, 'torchvision'):>17.1f}x")
+    cost = {loader: {r: 1 / rate(r, loader) for r in recipes} for loader in ("decode once", "decode per view",
+                                                                          "torchvision")}
+    print("\ncost per image relative to the recipe it extends (goals: 4x224 / 2x224 <= 1.5, DINO pool / 8 views <= 2.5)")
+    print(f"{'loader':<18}{'4x224 / 2x224':>16}{'DINO pool / 8 views':>22}")
+    for loader, c in cost.items():
+        print(f"{loader:<18}{c['SimCLR HVS 4x224'] / c['SimCLR 2x224']:>16.2f}"
+              f"{c['DINO HVS 4x224+16x96'] / c['DINO 2x224+6x96']:>22.2f}")
+    print("\ncanvas size (decode once): images / CPU second, and the share of views upsampled (crop smaller than "
+          "the view on the canvas; at the source resolution in the last column)")
+    for recipe in ("SimCLR 2x224", "DINO 2x224+6x96"):
+        for canvas in sorted({args.canvas, *args.canvas_sweep}):
+            row = next(r for r in rows if r["recipe"] == recipe and r["loader"] == "decode once" and r["canvas"] == canvas)
+            print(f"{recipe:<22}canvas {canvas:>4}: {row['images_per_cpu_s']:7.0f} images/CPU-s, "
+                  f"{100 * row['upsampled_share']:5.1f}% upsampled (source: "
+                  f"{100 * upsampled_share(recipes[recipe], None):.1f}%)")
+    profile = profile_views(beton, recipes["SimCLR 2x224"], args.canvas, args.batch_size, args.workers)
+    print(f"\nwhere a SimCLR 2x224 batch of {args.batch_size} goes on the CPU (ms per batch, decode-once, canvas "
+          f"{args.canvas}):")
+    for name, ms in profile:
+        print(f"  {name:<60}{ms:9.1f}")
+    return {"command": "loader", "recipe_set": "imagenet", "images": args.images, "batch_size": args.batch_size,
+            "workers": args.workers, "canvas": args.canvas, "rows": rows, "profile_ms_per_batch": profile,
+            "load_average_1min": os.getloadavg()[0], "torch": torch.__version__}
 
 
 # ==== hvs: training-step time with hard view selection (N=4) over without (N=2) ====
@@ -350,6 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = args.run(args)
+    if args.out is None:
+        return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
