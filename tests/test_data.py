@@ -208,20 +208,38 @@ def test_evaluation_images_are_centre_crops_not_stretched(tmp_path, crop_fractio
         assert green > 0.97 and red < 0.03 and blue < 0.03, (source.name, red, green, blue)
 
 
-def test_full_crop_without_jitter_reproduces_the_canvas():
-    canvas = torch.randint(0, 256, (3, 16, 16, 3), dtype=torch.uint8)
-    identity = ViewGroup(count=2, size=16, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip_p=0.0, jitter_p=0.0,
+@pytest.mark.parametrize("side", [16, 48])     # 48: the CPU resizes views of >= 32 px one by one
+def test_full_crop_without_jitter_reproduces_the_canvas(side):
+    canvas = torch.randint(0, 256, (3, side, side, 3), dtype=torch.uint8)
+    identity = ViewGroup(count=2, size=side, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip_p=0.0, jitter_p=0.0,
                          grayscale_p=0.0)
-    views, boxes = augment_views(canvas, torch.full((3, 2), 16), [identity], (0.0,) * 3, (1.0,) * 3,
+    views, boxes = augment_views(canvas, torch.full((3, 2), side), [identity], (0.0,) * 3, (1.0,) * 3,
                                  torch.Generator().manual_seed(0))
     expected = canvas.permute(0, 3, 1, 2).float() / 255
     assert torch.allclose(views[0][:, 0], expected, atol=1e-5) and torch.allclose(views[0][:, 1], expected, atol=1e-5)
     assert torch.allclose(boxes[0], torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(3, 2, 4))
     flipped = ViewGroup(**{**identity.__dict__, "flip_p": 1.0, "grayscale_p": 1.0})
-    views, _ = augment_views(canvas, torch.full((3, 2), 16), [flipped], (0.0,) * 3, (1.0,) * 3,
+    views, _ = augment_views(canvas, torch.full((3, 2), side), [flipped], (0.0,) * 3, (1.0,) * 3,
                              torch.Generator().manual_seed(0))
     gray = (expected * torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)).sum(1, keepdim=True).flip(-1)
-    assert torch.allclose(views[0][:, 0], gray.expand(3, 3, 16, 16), atol=1e-5)
+    assert torch.allclose(views[0][:, 0], gray.expand(3, 3, side, side), atol=1e-5)
+
+
+def test_one_by_one_resize_of_large_views_draws_the_matmul_views():
+    """On the CPU, views of >= 32 px are cropped from whole canvas pixels and resized one by one (uint8); the
+    batched matmuls crop the exact box. On a smooth canvas the two give the same views (orientation, flip)."""
+    from pretrain.data.augment import crop_resize_flip_by_matmuls, crop_resize_flip_one_by_one
+
+    y, x = torch.meshgrid(torch.arange(96.0), torch.arange(96.0), indexing="ij")
+    smooth = torch.stack([x / 95, y / 95, 0.5 + 0.5 * torch.sin((x + 2 * y) / 15)], dim=-1)
+    canvas = (255 * smooth).round().to(torch.uint8).expand(4, 96, 96, 3).contiguous()
+    boxes = torch.tensor([[0.1, 0.2, 0.6, 0.9], [0.0, 0.0, 1.0, 1.0], [0.55, 0.05, 0.95, 0.45], [0.3, 0.3, 0.7, 0.8]]
+                         ).repeat(4, 1)[:4 * 2]
+    flip = torch.tensor([False, True] * 4)
+    exact = crop_resize_flip_by_matmuls(canvas, boxes, 2, 40, flip, 1 / 255)
+    rounded = crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, 1 / 255)
+    assert exact.shape == rounded.shape == (8, 40, 40, 3)
+    assert (exact - rounded).abs().mean() < 0.01 and (exact - rounded).abs().max() < 0.06
 
 
 def test_crop_boxes_follow_scale_and_source_aspect():

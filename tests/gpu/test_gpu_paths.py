@@ -67,15 +67,18 @@ def test_cuda_augmentation_draws_the_cpu_views():
 
     canvas = torch.randint(0, 256, (16, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     hw = torch.tensor([[300, 400]] * 16)
-    groups = [ViewGroup(count=2, size=32, blur_p=0.5, solarize_p=0.2), ViewGroup(count=4, size=16)]
+    # 16 px: the same batched matmuls on both devices; 48 px: the CPU resizes whole-pixel crops one by one
+    # (pretrain/data/augment.py), CUDA keeps the matmuls: the same draws, views equal up to the box rounding.
+    groups = [ViewGroup(count=4, size=16), ViewGroup(count=2, size=48, blur_p=0.5, solarize_p=0.2)]
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     cpu_views, cpu_boxes = augment_views(canvas, hw, groups, mean, std, torch.Generator().manual_seed(1))
     cuda_views, cuda_boxes = augment_views(canvas.to(CUDA), hw.to(CUDA), groups, mean, std,
                                            torch.Generator().manual_seed(1))
     for a, b in zip(cpu_boxes, cuda_boxes):
         torch.testing.assert_close(a, b.cpu())
-    for a, b in zip(cpu_views, cuda_views):
-        assert (a - b.cpu()).abs().max() < 1e-3           # the same views, up to float rounding
+    assert (cpu_views[0] - cuda_views[0].cpu()).abs().max() < 1e-3           # up to float rounding
+    difference = (cpu_views[1] - cuda_views[1].cpu()).abs() * torch.tensor(std).view(1, 1, 3, 1, 1)
+    assert difference.mean() < 0.02                                         # in [0, 1] pixel units
 
 
 @pytest.mark.parametrize("config", METHOD_CONFIGS)
