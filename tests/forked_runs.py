@@ -49,6 +49,9 @@ def _main(module: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # a forkserver child inherits "forkserver" as its default start method; a new interpreter has the
+    # platform's default (FFCV's writer starts its workers with it and hands them unpicklable closures)
+    multiprocessing.set_start_method(None, force=True)
     for fd, path in ((1, stdout), (2, stderr)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
