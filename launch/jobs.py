@@ -29,7 +29,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # Exit status of a stage that stopped on the scheduler's warning after saving a checkpoint.

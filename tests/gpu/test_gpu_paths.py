@@ -99,7 +99,6 @@ def test_selection_on_cuda_chooses_the_cpu_views(config):
                                       labels.to(device), method.train_counts, max_candidates=cfg.hvs.max_candidates,
                                       rng=random.Random(0))
         chosen[name] = selection.chosen.cpu()
-        scores = selection.scores.cpu()
     # Ties aside (a margin below float rounding), the same candidate per sample.
     assert (chosen["cpu"] == chosen["cuda"]).float().mean() > 0.95
 
