@@ -1,4 +1,4 @@
-"""Command line of the evaluation stage: `python -m eval knn|linear --run RUN_DIR`.
+"""Command line of the evaluation stage: `python -m eval knn|linear|retrieval --run RUN_DIR`.
 
 Each command reads only the backbone export (RUN_DIR/backbone.pth or --checkpoint FILE) and the run
 config saved inside it, encodes the train and val .beton files with the frozen backbone (features are
@@ -22,6 +22,7 @@ from eval.features import (BackboneExport, EvaluationInputError, evaluation_crop
                            resolve_device)
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe, train_linear_probe_on_views
+from eval.retrieval import clustering_nmi, retrieval_metrics
 
 # ============ inputs: checkpoint, data, features ============
 
@@ -196,6 +197,59 @@ def run_linear(args: argparse.Namespace) -> Path:
     return path
 
 
+def run_retrieval(args: argparse.Namespace) -> Path:
+    """Retrieval (Recall@k, precision@1, R-precision, MAP@R, R-mAP) and k-means NMI among the validation images,
+    with --split-classes among those of the second half of the classes (the DML split); returns the JSON."""
+    started = time.perf_counter()
+    inputs = EvaluationInputs(args)
+    features = inputs.features()
+    val_features, val_labels = features["val_features"], features["val_labels"]
+    if len(val_labels) and int(val_labels.min()) < 0:
+        raise EvaluationInputError(f"{inputs.val_path} has images without a class label (-1); retrieval needs the "
+                                   "classes: write it from an image folder with one sub-folder per class")
+    num_classes = None
+    if args.split_classes:
+        num_classes = number_of_classes(inputs.val_path, features)
+        keep = val_labels >= num_classes // 2
+        if not keep.any():
+            raise EvaluationInputError(f"--split-classes keeps the images of classes {num_classes // 2}-"
+                                       f"{num_classes - 1} of {inputs.val_path}, and it has none")
+        val_features, val_labels = val_features[keep], val_labels[keep]
+    metrics = retrieval_metrics(val_features.to(inputs.device), val_labels, ks=args.ks, chunk_size=args.chunk_size)
+    metrics["nmi"] = clustering_nmi(val_features, val_labels, seed=args.seed)
+    seconds = time.perf_counter() - started
+    tags = {"precision@1": "precision_at_1", "r_precision": "r_precision", "map@r": "map_at_r", "r_map": "r_map",
+            "nmi": "nmi", **{f"recall@{k}": f"recall_at_{k}" for k in args.ks}}
+    classes_evaluated = sorted(int(c) for c in torch.unique(val_labels))
+    path = write_results(inputs, "retrieval", metrics["recall@1"] if 1 in args.ks else metrics["precision@1"],
+                         {f"eval/retrieval_{tag}": metrics[name] for name, tag in tags.items()},
+                         {**metrics, "split_classes": bool(args.split_classes), "classes": classes_evaluated,
+                          "num_images": len(val_labels), "seed": args.seed, "seconds": round(seconds, 3)})
+    print_header("retrieval" + (" (second half of the classes)" if args.split_classes else ""), inputs,
+                 len(features["train_labels"]), len(val_labels), seconds)
+    print(f"  {len(val_labels)} images of classes {classes_evaluated}, every one a query against the others"
+          + (f" ({metrics['no_relevant']} without another image of their class left out)"
+             if metrics["no_relevant"] else ""))
+    for name in [*(f"recall@{k}" for k in args.ks), "precision@1", "r_precision", "map@r", "r_map", "nmi"]:
+        print(f"  {name:12s} {100 * metrics[name]:6.2f}%")
+    print(f"results: {path}")
+    return path
+
+
+def number_of_classes(path: Path, features: dict[str, torch.Tensor]) -> int:
+    """The classes of a dataset: its class names (OUT.classes.json next to a .beton, the sub-folders of an
+    image folder), else the largest label of the train and val features plus one."""
+    from pretrain.data.writer import classes_path, list_image_folder
+
+    path = Path(path)
+    if path.is_dir():
+        return len(list_image_folder(path)[2])
+    names = classes_path(path)
+    if names.is_file():
+        return len(json.loads(names.read_text()))
+    return int(max(features["train_labels"].max(), features["val_labels"].max())) + 1
+
+
 def build_augmented_views(inputs: EvaluationInputs, args: argparse.Namespace):
     """The training set as one RandomResizedCrop(0.08-1) + flip view per image, fresh every epoch."""
     from pretrain.data.loader import build_view_loader
@@ -269,9 +323,9 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`python -m eval {knn,linear,watch} [options]`."""
+    """`python -m eval {knn,linear,retrieval,watch} [options]`."""
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,watch}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,retrieval,watch}")
 
     knn = commands.add_parser("knn", help="weighted k-NN top-1 on frozen features (DINO protocol)",
                               description="Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised "
@@ -307,6 +361,22 @@ def build_parser() -> argparse.ArgumentParser:
     linear.add_argument("--seed", type=int, default=0,
                         help="seed of the classifier init, shuffling and augmentation (default: %(default)s)")
     linear.set_defaults(handler=run_linear)
+
+    retrieval = commands.add_parser(
+        "retrieval", help="image retrieval (Recall@k, MAP@R, R-mAP) and k-means NMI among the validation images",
+        description="Deep-metric-learning evaluation (eval/retrieval.py): every validation image queries the others "
+                    "by cosine similarity of L2-normalised features; Recall@k, precision@1, R-precision, MAP@R, "
+                    "R-mAP (paper 000, appendix C) and the NMI of k-means with as many clusters as classes.")
+    add_common_options(retrieval)
+    retrieval.add_argument("--split-classes", action="store_true",
+                           help="evaluate only the images of the second half of the classes (labels >= C/2, C from "
+                                "the data's class names): the unseen classes of a run trained on the first half")
+    retrieval.add_argument("--ks", type=positive_int, nargs="+", default=[1, 2, 4, 8], metavar="K",
+                           help="ranks of Recall@k (default: %(default)s)")
+    retrieval.add_argument("--chunk-size", type=positive_int, default=1024, metavar="N",
+                           help="queries scored at once; memory grows with N x images (default: %(default)s)")
+    retrieval.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
+    retrieval.set_defaults(handler=run_retrieval)
 
     from eval import watch
     follow = commands.add_parser("watch", help="evaluate every checkpoint of a (running) pretraining run, once each",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pretrain.checkpoint import export_path, published_export_steps
 
-PROTOCOLS = ("knn", "linear")            # the sub-commands of `python -m eval` the watcher can run
+PROTOCOLS = ("knn", "linear", "retrieval")   # the sub-commands of `python -m eval` the watcher can run
 FORWARDED = ("train", "val", "image_size", "crop_fraction", "device", "num_workers", "feature_batch_size")
 
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pretrain.data.augment import check_view_group
+from pretrain.data.batch_designs import BatchDesign, check_batch_design
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
 
@@ -37,6 +38,9 @@ class DataConfig:
     # then a centre crop of `size` px (0.875: the standard 256 -> 224). 1.0 keeps the whole of a square image
     # (the digits, CIFAR-sized folders).
     eval_crop_fraction: float = 0.875
+    # Which images form a batch: uniform (a permutation), or the class-aware p_random / group designs of
+    # paper 001 (pretrain/data/batch_designs.py).
+    batch_design: BatchDesign = field(default_factory=BatchDesign)
 
 
 @dataclass
@@ -158,7 +162,7 @@ class ConfigError(ValueError):
     """A configuration the user must fix; the message says what and how."""
 
 
-def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+def schema_keys(schema: type, prefix: str = "") -> list[str]:
     """All dotted key paths of a dataclass schema (list items as `views.N.size`)."""
     keys, defaults = [], schema()
     for f in fields(schema):
@@ -166,13 +170,15 @@ def _schema_keys(schema: type, prefix: str = "") -> list[str]:
         keys.append(path)
         default = getattr(defaults, f.name)
         if is_dataclass(default):
-            keys += _schema_keys(type(default), path + ".")
+            keys += schema_keys(type(default), path + ".")
         elif isinstance(default, list) and default and is_dataclass(default[0]):
-            keys += _schema_keys(type(default[0]), path + ".N.")
+            keys += schema_keys(type(default[0]), path + ".N.")
     return keys
 
 
-SCHEMA_KEYS = tuple(_schema_keys(Config))   # without method.*: those depend on method.name
+SCHEMA_KEYS = tuple(schema_keys(Config))   # without method.*: those depend on method.name
+# Where an unknown-key message sends the user (other schemas, e.g. transfer's, pass their own).
+PRETRAIN_KEYS_WHERE = "pretrain/config.py, and method.* in the method's Options in pretrain/methods/"
 DEFAULT_METHOD = "simclr"
 
 
@@ -187,28 +193,28 @@ def method_options(name: str) -> type:
     return module.Options
 
 
-def _check_key(path: str, keys: tuple[str, ...]) -> None:
+def _check_key(path: str, keys: tuple[str, ...], where: str = PRETRAIN_KEYS_WHERE) -> None:
     generic = ".".join("N" if part.isdigit() else part for part in path.split("."))
     if generic in keys:
         return
     close = difflib.get_close_matches(generic, keys, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0].replace('.N.', '.0.')!r}?" if close else ""
-    where = "pretrain/config.py, and method.* in the method's Options in pretrain/methods/"
     raise ConfigError(f"unknown config key {path!r}{hint} (valid keys are listed in {where})")
 
 
-def _check_tree(tree: dict, keys: tuple[str, ...], prefix: str = "") -> None:
+def _check_tree(tree: dict, keys: tuple[str, ...], prefix: str = "", where: str = PRETRAIN_KEYS_WHERE) -> None:
     for key, value in tree.items():
         path = f"{prefix}{key}"
-        _check_key(path, keys)
+        _check_key(path, keys, where)
         if isinstance(value, dict):
-            _check_tree(value, keys, path + ".")
+            _check_tree(value, keys, path + ".", where)
         elif isinstance(value, list) and value and isinstance(value[0], dict):
             for i, item in enumerate(value):
-                _check_tree(item, keys, f"{path}.{i}.")
+                _check_tree(item, keys, f"{path}.{i}.", where)
 
 
-def _parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
+def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
+    """`key=value` strings -> (key, value parsed as YAML) pairs; a malformed one is a ConfigError."""
     parsed = []
     for override in overrides:
         if "=" not in override:
@@ -228,59 +234,78 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
     The method is chosen first (`method.name` from the overrides, else the file, else simclr), because
     its `Options` define which `method.*` keys exist.
     """
-    tree: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; configs live in configs/pretrain/")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            where = getattr(error, "problem_mark", None)
-            line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: {problem}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(path)!r} holds a {type(tree).__name__} at its top level; a config is "
-                              "a mapping of sections (name:, data:, model:, method:, ...), as in configs/pretrain/")
-    parsed = _parse_overrides(list(overrides))
+    tree = read_config_file(path) if path is not None else {}
+    parsed = parse_overrides(list(overrides))
     name = (tree.get("method") or {}).get("name", DEFAULT_METHOD)
     name = next((value for key, value in reversed(parsed) if key == "method.name"), name)
     options = method_options(str(name))
-    keys = SCHEMA_KEYS + tuple(_schema_keys(options, "method."))
+    keys = SCHEMA_KEYS + tuple(schema_keys(options, "method."))
     cfg = OmegaConf.structured(Config)
     cfg.method = OmegaConf.structured(options)
+    cfg = merge_checked(cfg, keys, tree, parsed)
+    validate(cfg)
+    return cfg
+
+
+def read_config_file(path: str | Path, configs_dir: str = "configs/pretrain/") -> dict:
+    """The mapping in the YAML file `path`; a missing file, bad YAML or a non-mapping is a ConfigError that
+    names the file (and `configs_dir`, where the shipped configs live)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; configs live in {configs_dir}")
     try:
-        _check_tree(tree, keys)
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: {problem}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(path)!r} holds a {type(tree).__name__} at its top level; a config is "
+                          f"a mapping of sections (name:, data:, ...), as in {configs_dir}")
+    return tree
+
+
+def merge_checked(cfg: DictConfig, keys: tuple[str, ...], tree: dict, parsed: list[tuple[str, object]],
+                  where: str = PRETRAIN_KEYS_WHERE) -> DictConfig:
+    """Schema `cfg` <- file `tree` <- `parsed` overrides, every key checked against `keys` (an unknown key
+    names the closest valid one and `where` the keys are listed); type errors become ConfigErrors."""
+    try:
+        _check_tree(tree, keys, where=where)
         cfg = OmegaConf.merge(cfg, tree)
         for key, value in parsed:
-            _check_key(key, keys)
+            _check_key(key, keys, where)
             node = OmegaConf.select(cfg, key)
             if isinstance(node, ListConfig) and not isinstance(value, list):
                 raise ConfigError(f"{key} is a list; write {key}=[{value}]")
             OmegaConf.update(cfg, key, value, merge=False)
     except OmegaConfBaseException as error:
         raise ConfigError(f"invalid config value: {error}") from None
-    validate(cfg)
     return cfg
+
+
+def check_choices_and_ranges(cfg: DictConfig, choices: dict[str, tuple], ranges: tuple) -> None:
+    """Refuse, by key and value, a value outside `choices`, a ZeRO stage outside 0-3, or a number outside
+    `ranges` ((key, comparison, bound, meaning) rows as NUMBER_RANGES; None values pass)."""
+    for key, allowed in choices.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+    if not 0 <= cfg.engine.zero_stage <= 3:
+        raise ConfigError(f"engine.zero_stage={cfg.engine.zero_stage} must be 0, 1, 2 or 3")
+    for key, comparison, bound, meaning in ranges:
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < bound or (comparison == ">" and value == bound):
+            raise ConfigError(f"{key}={value} must be a finite number {comparison} {bound} ({meaning})")
 
 
 def validate(cfg: DictConfig) -> None:
     """Checks that types alone cannot express (and the method's own, `METHOD.check_config`)."""
     from pretrain.methods import method_module
 
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
-    if not 0 <= cfg.engine.zero_stage <= 3:
-        raise ConfigError(f"engine.zero_stage={cfg.engine.zero_stage} must be 0, 1, 2 or 3")
-    for key, comparison, bound, meaning in NUMBER_RANGES:
-        value = OmegaConf.select(cfg, key)
-        if value is None:
-            continue
-        if not math.isfinite(value) or value < bound or (comparison == ">" and value == bound):
-            raise ConfigError(f"{key}={value} must be a finite number {comparison} {bound} ({meaning})")
+    check_choices_and_ranges(cfg, CHOICES, NUMBER_RANGES)
     if not 0 < cfg.data.eval_crop_fraction <= 1:
         raise ConfigError(f"data.eval_crop_fraction={cfg.data.eval_crop_fraction} must lie in (0, 1]: 0.875 for "
                           "the standard 256 -> 224 centre crop, 1.0 for the whole image")
@@ -292,6 +317,10 @@ def validate(cfg: DictConfig) -> None:
             check_view_group(group)
         except ValueError as error:
             raise ConfigError(f"data.views.{index}: {error}") from None
+    try:
+        check_batch_design(BatchDesign(**cfg.data.batch_design))
+    except ValueError as error:
+        raise ConfigError(f"data.batch_design.{error}") from None
     check_architecture(cfg.model.arch)
     if cfg.optim.name == "lars" and cfg.engine.zero_stage > 0:
         raise ConfigError("optim.name=lars needs whole per-layer parameters, but ZeRO stage "

@@ -161,7 +161,7 @@ def train(cfg: DictConfig) -> Path:
             cfg.data.train, views_to_draw(cfg), cfg.data.batch_size, backend=cfg.data.backend, device=device,
             canvas_size=cfg.data.canvas_size, mean=tuple(cfg.data.mean), std=tuple(cfg.data.std),
             num_workers=cfg.data.num_workers, seed=cfg.seed, rank=rank, world_size=world_size,
-            batches_per_step=cfg.optim.grad_accum)
+            batches_per_step=cfg.optim.grad_accum, batch_design=OmegaConf.to_object(cfg.data.batch_design))
         if len(loader) == 0:
             raise ConfigError(f"{cfg.data.train} gives fewer than optim.grad_accum={cfg.optim.grad_accum} batches of "
                               f"data.batch_size={cfg.data.batch_size} per process per epoch ({loader.num_images} "

@@ -147,16 +147,19 @@ def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tenso
     chance level is the share of candidates at the minimum (1/6 for pairs of 4 views, about 1/4 for DINO).
 
     The IoU of a combination is the mean IoU over the pairs of its first `iou_views` views (None: all):
-    for pairs the pair's IoU, for DINO that of its two global crops.
+    for pairs the pair's IoU, for DINO that of its two global crops. A candidate of one view (the deep-metric-
+    learning methods, one view per image) has no pair: then only the two loss scalars are returned.
     """
     batch = scores.shape[0]
     rows = torch.arange(batch, device=scores.device)
+    losses = {"hvs/selected_loss": scores[rows, pick].mean().item(), "hvs/mean_pair_loss": scores.mean().item()}
     members = table[:, :iou_views] if iou_views else table
+    if members.shape[1] < 2:
+        return losses
     ious = torch.stack([pair_iou(boxes[:, members[:, a]], boxes[:, members[:, b]])
                         for a, b in combinations(range(members.shape[1]), 2)]).mean(0)   # (B, C)
     return {
-        "hvs/selected_loss": scores[rows, pick].mean().item(),
-        "hvs/mean_pair_loss": scores.mean().item(),
+        **losses,
         "hvs/selected_iou": ious[rows, pick].mean().item(),
         "hvs/mean_pair_iou": ious.mean().item(),
         "hvs/lowest_iou_chosen_frac": (ious[rows, pick] <= ious.min(dim=1).values).float().mean().item(),

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs/pretrain"
 METHOD_CONFIGS = ["simclr_digits.yaml", "simsiam_digits.yaml", "dino_digits.yaml", "tcl_digits.yaml",
-                  "supcon_digits.yaml"]
+                  "supcon_digits.yaml", "contrastive_balance_digits.yaml", "smoco_digits.yaml"]
 TINY = ["model.proj_hidden_dim=32", "model.proj_out_dim=16", "data.batch_size=6", "hvs.enabled=true",
         "hvs.max_candidates=8", "optim.lr=0.05"]
 

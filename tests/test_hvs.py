@@ -187,7 +187,7 @@ def test_selection_gathers_each_group_and_scores_only_the_capped_candidates():
 # ==== the selection forward leaves every buffer as it found it ====
 
 METHOD_CONFIGS = ["simclr_digits.yaml", "simsiam_digits.yaml", "dino_digits.yaml", "tcl_digits.yaml",
-                  "supcon_digits.yaml"]
+                  "supcon_digits.yaml", "contrastive_balance_digits.yaml", "smoco_digits.yaml"]
 
 
 def everything_the_method_keeps(method) -> dict[str, torch.Tensor]:

@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     digits.add_argument("--write-mode", choices=("jpg", "raw"), default="jpg",
                         help="Store images as JPEG or raw uint8 pixels. Default: jpg.")
     digits.add_argument("--workers", type=int, default=2, help="Processes used to write. Default: 2.")
+    digits.add_argument("--split-classes", action="store_true",
+                        help="Write the deep-metric-learning split instead: every image of the digits 0-4 to "
+                             "OUT_DIR/train.beton, every image of 5-9 to OUT_DIR/test.beton (train on the first half "
+                             "of the classes, retrieve among the unseen second half).")
     return parser
 
 
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from pretrain.data.digits import write_digits
 
-        for report in write_digits(args.out_dir, force=args.force, write_mode=args.write_mode, workers=args.workers):
+        for report in write_digits(args.out_dir, force=args.force, write_mode=args.write_mode, workers=args.workers,
+                                   split_classes=args.split_classes):
             if report.written < 0:
                 print(f"{report.out_path}: exists, kept (pass --force to rewrite)")
             else:

@@ -15,6 +15,10 @@ every rank (disjoint shards), then consecutive batches; an epoch holds a whole n
 step mixes two epochs. `epoch(e, start_batch=k)` continues that order at batch k without decoding the first
 k batches. Augmentation randomness is seeded per batch (FFCV: from (seed, rank, epoch, batch)) or per image
 (torchvision: from (seed, epoch, image)), so a resumed epoch draws exactly the views of an uninterrupted one.
+
+A class-aware batch design (`data.batch_design`: the p-random and (m, n)-group designs of paper 001,
+pretrain/data/batch_designs.py) replaces the permutation: each global batch is drawn from (seed, epoch,
+batch) and every rank reads its slice of it, so the same rules of resumption hold.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 
 from pretrain.data import DatasetError
 from pretrain.data.augment import augment_views, canvas_to_device, normalise
+from pretrain.data.batch_designs import BatchDesign, ClassAwareBatches, dataset_labels
 from pretrain.data.views import ViewBatch, ViewGroup
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -51,16 +56,23 @@ def rank_epoch_order(num_images: int, seed: int, epoch: int, rank: int, world_si
 class ViewLoader:
     """Yields `ViewBatch`es for one rank, epoch by epoch. Build it with `build_view_loader`.
 
-    num_images: images in the whole dataset; len(loader): batches per epoch for this rank.
+    num_images: images the loader draws from: the whole dataset, or the `subset` of dataset indices when one
+    is given (the epoch order then permutes the subset); len(loader): batches per epoch for this rank.
     """
 
     def __init__(self, num_images: int, groups: list[ViewGroup], batch_size: int, *, device: torch.device,
                  mean: Sequence[float], std: Sequence[float], seed: int, rank: int, world_size: int,
-                 drop_last: bool, batches_per_step: int = 1):
+                 drop_last: bool, batches_per_step: int = 1, subset: Sequence[int] | None = None):
         if batch_size < 1 or batches_per_step < 1:
             raise ValueError(f"batch_size and batches_per_step must be >= 1, got {batch_size} and {batches_per_step}.")
         if not groups:
             raise ValueError("groups is empty; pass at least one ViewGroup, e.g. [ViewGroup(count=2, size=32)].")
+        self.subset = None if subset is None else np.asarray(subset, dtype=np.int64)
+        if self.subset is not None:
+            if len(self.subset) and not (0 <= self.subset.min() and self.subset.max() < num_images):
+                raise ValueError(f"subset holds dataset indices outside [0, {num_images}): the dataset has "
+                                 f"{num_images} images")
+            num_images = len(self.subset)
         self.num_images = num_images
         self.groups = list(groups)
         self.batch_size = batch_size
@@ -72,8 +84,23 @@ class ViewLoader:
         self.samples_per_rank = num_images // world_size
         if self.samples_per_rank == 0:
             raise ValueError(f"The dataset has {num_images} images, fewer than world_size={world_size}.")
+        self.class_aware: ClassAwareBatches | None = None
+
+    def use_batch_design(self, batches: ClassAwareBatches) -> None:
+        """Draw every epoch's batches from a class-aware design (over the labels of the images this loader
+        draws from, the subset's when there is one); this rank reads its slice of each."""
+        if batches.global_batch != self.batch_size * self.world_size:
+            raise ValueError(f"the design draws global batches of {batches.global_batch} images, but this loader reads "
+                             f"{self.batch_size} x {self.world_size} processes")
+        if batches.design.name == "p_random" and self.batch_size % 2:
+            raise ValueError(f"the p-random design keeps each pair on one process: data.batch_size="
+                             f"{self.batch_size} (per process) must be even")
+        self.class_aware = batches
 
     def __len__(self) -> int:
+        if self.class_aware is not None:    # as many batches as a pass over the data, whole steps
+            batches = self.num_images // self.class_aware.global_batch
+            return batches - batches % self.batches_per_step
         if self.drop_last:
             batches = self.samples_per_rank // self.batch_size
             return batches - batches % self.batches_per_step
@@ -83,7 +110,14 @@ class ViewLoader:
         """The ordered dataset indices this rank reads in `epoch` from batch `start_batch` on."""
         if not 0 <= start_batch <= len(self):
             raise ValueError(f"start_batch must lie in [0, {len(self)}] (batches per epoch), got {start_batch}.")
+        if self.class_aware is not None:
+            share = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+            shares = [self.class_aware.batch(epoch, b)[share] for b in range(start_batch, len(self))]
+            order = np.concatenate(shares) if shares else np.zeros(0, dtype=np.int64)
+            return order if self.subset is None else self.subset[order]
         order = rank_epoch_order(self.num_images, self.seed, epoch, self.rank, self.world_size)
+        if self.subset is not None:
+            order = self.subset[order]
         return order[start_batch * self.batch_size: len(self) * self.batch_size]
 
     def augmentation_generator(self, epoch: int, batch: int) -> torch.Generator:
@@ -149,7 +183,8 @@ def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int
                       device: torch.device | str = "cpu", canvas_size: int = 32,
                       mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                       num_workers: int = 2, seed: int = 0, rank: int = 0, world_size: int = 1,
-                      drop_last: bool = True, batches_per_step: int = 1) -> ViewLoader:
+                      drop_last: bool = True, batches_per_step: int = 1,
+                      subset: Sequence[int] | None = None, batch_design: BatchDesign | None = None) -> ViewLoader:
     """Build the N-view loader for one rank.
 
     path:        a .beton from `python -m pretrain.data` (backend "ffcv") or an image folder with one
@@ -161,13 +196,27 @@ def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int
     mean, std:   normalisation of the views.
     seed, rank, world_size: ordering and sharding (see module docstring).
     batches_per_step: micro-batches per optimizer step; an epoch holds whole steps (with drop_last).
+    subset:      dataset indices to draw from instead of every image (fine-tuning on a fraction of the labels).
+    batch_design: which images form a batch (None or "uniform": the seeded permutation; "p_random" and
+                 "group": pretrain/data/batch_designs.py, from the dataset's labels).
     """
     check_training_data(path, backend)
     common = dict(device=torch.device(device), mean=mean, std=std, seed=seed, rank=rank, world_size=world_size,
-                  drop_last=drop_last, batches_per_step=batches_per_step)
+                  drop_last=drop_last, batches_per_step=batches_per_step, subset=subset)
     if backend == "ffcv":
-        return FFCVViewLoader(path, groups, batch_size, canvas_size=canvas_size, num_workers=num_workers, **common)
-    return TorchvisionViewLoader(path, groups, batch_size, num_workers=num_workers, **common)
+        loader = FFCVViewLoader(path, groups, batch_size, canvas_size=canvas_size, num_workers=num_workers, **common)
+    else:
+        loader = TorchvisionViewLoader(path, groups, batch_size, num_workers=num_workers, **common)
+    if batch_design is not None and batch_design.name != "uniform":
+        labels = dataset_labels(path)
+        labels = labels if loader.subset is None else labels[loader.subset]
+        try:
+            loader.use_batch_design(ClassAwareBatches(batch_design, labels, batch_size * world_size, seed))
+        except DatasetError:
+            raise
+        except ValueError as error:     # the design does not fit this data or batch: one line, exit status 2
+            raise DatasetError(f"data.batch_design.name={batch_design.name} on {path}: {error}") from None
+    return loader
 
 
 def check_training_data(path: str | Path, backend: str) -> None:

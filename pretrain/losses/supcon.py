@@ -70,7 +70,8 @@ def contrast_set(z: torch.Tensor, labels: torch.Tensor | None = None, gather_neg
     """The similarities and the P(i) / N(i) masks of SupCon and TCL (TCL eqs. 2-3 and 9-11).
 
     Args:
-        z: (B, k, D) L2-normalised embeddings, k >= 2 views of each of B images.
+        z: (B, k, D) L2-normalised embeddings, k >= 2 views of each of B images (k = 1 with labels: the
+            deep-metric-learning batch of one view per image, positives from the labels only).
         labels: (B,) class labels >= 0 (supervised: views of images with the same label are positives too),
             or None (self-supervised: only the other views of the same image are).
         gather_negatives: when a process group of several processes is initialised, the batch I is every
@@ -81,9 +82,9 @@ def contrast_set(z: torch.Tensor, labels: torch.Tensor | None = None, gather_neg
         >>> contrast = contrast_set(F.normalize(z, dim=-1), labels)
         >>> contrast.positives.sum(1)   # |P(i)| per anchor
     """
-    if z.dim() != 3 or z.shape[1] < 2:
-        raise ValueError(f"z must be (B, k, D) with k >= 2 views per image (the other views are the positives); "
-                         f"got shape {tuple(z.shape)}")
+    if z.dim() != 3 or z.shape[1] < (2 if labels is None else 1):
+        raise ValueError(f"z must be (B, k, D) with k >= 2 views per image (the other views are the positives; "
+                         f"k >= 1 with labels); got shape {tuple(z.shape)}")
     with torch.no_grad():
         norms = z.detach().float().norm(dim=-1)
         worst = (norms - 1).abs().max().item()

@@ -22,6 +22,8 @@ class Options:
     name: str = "simclr"
     temperature: float = 0.2                 # NT-Xent temperature
     gather_negatives: bool = True            # negatives from every process, not only the local batch
+    lambda_p: float = 1.0                    # weight of the positive term (paper 000, eq. 5; 1, 1: NT-Xent)
+    lambda_e: float = 1.0                    # weight of the entropy term
 
 
 class SimCLR(Method):
@@ -31,10 +33,16 @@ class SimCLR(Method):
         self.projector = projector_from_config(cfg, self.backbone.num_features)
         self.temperature = cfg.method.temperature
         self.gather_negatives = cfg.method.gather_negatives
+        self.lambdas = {"lambda_p": cfg.method.lambda_p, "lambda_e": cfg.method.lambda_e}
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
+        from pretrain.config import ConfigError
+
         require_one_view_group(cfg, 2, 2)
+        if min(cfg.method.lambda_p, cfg.method.lambda_e) < 0:
+            raise ConfigError(f"method.lambda_p={cfg.method.lambda_p} and method.lambda_e={cfg.method.lambda_e} "
+                              "must be >= 0 (1 and 1: NT-Xent)")
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"z": encode_view_groups(nn.Sequential(self.backbone, self.projector), views)}
@@ -42,11 +50,11 @@ class SimCLR(Method):
     def sample_loss(self, outputs: dict[str, torch.Tensor], pair: Sequence[int], labels: torch.Tensor) -> torch.Tensor:
         # Selection scores use the local batch as negatives: cheap and the same on every process.
         a, b = pair
-        return nt_xent_per_sample(outputs["z"][:, a], outputs["z"][:, b], self.temperature)
+        return nt_xent_per_sample(outputs["z"][:, a], outputs["z"][:, b], self.temperature, **self.lambdas)
 
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         z = outputs["z"]
-        return nt_xent_per_sample(z[:, 0], z[:, 1], self.temperature, self.gather_negatives).mean()
+        return nt_xent_per_sample(z[:, 0], z[:, 1], self.temperature, self.gather_negatives, **self.lambdas).mean()
 
 
 METHOD = SimCLR
