@@ -10,7 +10,7 @@ STEMS = ("imagenet", "small", "small_stride2")
 
 
 def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = None,
-                    zero_init_residual: bool = True) -> nn.Module:
+                    zero_init_residual: bool = True, drop_path_rate: float = 0.0) -> nn.Module:
     """Build a timm backbone that returns pooled features; `backbone.num_features` is their width.
 
     stem: "imagenet" keeps the architecture's own stem. For small images (32 px) on ResNets,
@@ -18,6 +18,8 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
       "small_stride2" a 3x3 stride-2 convolution without max-pool (4x cheaper, for CPU runs).
     image_size: input side for ViTs (their position embedding depends on it); ignored by ResNets.
     zero_init_residual: ResNets start each residual branch's last BatchNorm at zero (timm's zero_init_last).
+    drop_path_rate: stochastic depth (Huang et al. 2016), timm's drop_path_rate: the largest per-block rate, rising
+      linearly with depth (fine-tuning recipes: 0.1 for ViT-S/B). It adds no parameters: an export loads either way.
     """
     if stem not in STEMS:
         raise ValueError(f"model.stem={stem!r} is not one of {STEMS}")
@@ -28,6 +30,8 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
             kwargs["img_size"] = image_size
     if arch.startswith("resnet"):
         kwargs["zero_init_last"] = zero_init_residual
+    if drop_path_rate > 0:
+        kwargs["drop_path_rate"] = drop_path_rate
     try:
         backbone = timm.create_model(arch, pretrained=False, **kwargs)
     except RuntimeError as error:  # timm: "Unknown model (...)"

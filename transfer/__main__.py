@@ -11,7 +11,12 @@ import argparse
 import importlib
 import sys
 
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "finetune": "transfer.finetune",
+    "digit-scenes": "transfer.digit_scenes",
+    "detection": "transfer.detection",
+    "detectron2": "transfer.detectron2",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
