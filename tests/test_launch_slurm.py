@@ -125,6 +125,8 @@ def test_a_sweep_is_one_job_array_and_status_reads_every_run(cluster, digits, tm
     assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1    # array ID_0 and ID_1
     runs = [sweep_dir / "tiny_lr0.1", sweep_dir / "tiny_lr0.2"]
     wait_until(lambda: all((run / "finished.json").is_file() for run in runs), "both runs of the sweep")
+    # a run's finished.json comes a moment before its job ends
+    wait_until(lambda: all(scontrol_job(job).get("JobState") == "COMPLETED" for job in jobs), "both jobs to end")
     from pretrain.config import load_config
     assert [load_config(run / "config.yaml").optim.lr for run in runs] == [0.1, 0.2]
     status = launch("status", str(sweep_dir)).stdout.splitlines()
