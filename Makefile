@@ -1,4 +1,5 @@
 # make demo   installs everything it needs, then runs the whole pipeline on the embedded digits data
+# make demo-detection  the same, plus detection on the digit scenes (longer)
 # make test   installs everything it needs, then runs the test suite
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
 # make gpu-check  on a machine with a CUDA GPU: the GPU-only tests (tests/gpu), then the GPU throughput table
@@ -7,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev
 
-.PHONY: install demo test bench gpu-check clean-runs
+.PHONY: install demo demo-detection test bench gpu-check clean-runs
 
 install: $(VENV)/.installed
 
@@ -26,6 +27,9 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(PY) -m launch.demo
+
+demo-detection: install
+	$(PY) -m launch.demo --detection
 
 test: install
 	$(PY) -m pytest

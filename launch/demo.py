@@ -1,9 +1,13 @@
 """python -m launch.demo: the whole pipeline, small, on the CPU, on the embedded UCI digits.
 
-1. write the digits .beton files (data/digits/), 2. pretrain SimCLR with hard view selection
-(`python -m pretrain`, as a user runs it), 3. evaluate k-NN and a linear probe of the pretrained encoder next
-to the same encoder at random initialisation and next to raw pixels, 4. print the table and write it to
-RUN_DIR/demo.json. A killed demo resumes its pretraining; a finished one starts afresh.
+1. write the digits .beton files (data/digits/) and the moved digits (data/digits_moved/: the same digits
+moved, scaled and recoloured on clutter, where raw pixels cannot match aligned strokes), 2. pretrain SimCLR
+with hard view selection (`python -m pretrain`, as a user runs it), 3. evaluate k-NN and a linear probe of
+the pretrained encoder on both sets, next to the same encoder at random initialisation and next to raw
+pixels, 4. fine-tune it with 10% of the labels (`python -m transfer finetune`) next to the same network from
+random initialisation, 5. with --detection, train the digit-scenes detector on it and from random
+initialisation (`python -m transfer detection`), 6. print the table and write it to RUN_DIR/demo.json.
+A killed demo resumes its pretraining; a finished one starts afresh.
 """
 from __future__ import annotations
 
@@ -24,22 +28,35 @@ from pretrain.config import load_config
 from pretrain.data.digits import write_digits
 from pretrain.data.loader import build_image_loader
 from pretrain.models import create_backbone
+from transfer.digit_scenes import write_moved_digits
 
 CONFIG = "configs/pretrain/simclr_digits.yaml"
+FINETUNE_CONFIG = "configs/transfer/finetune_digits.yaml"
 
 
-def evaluate(encode, cfg, device) -> dict[str, float]:
-    """k-NN (k=20, T=0.07) and linear-probe top-1 of `encode` on the digits val split."""
+def evaluate(encode, cfg, device, train: Path, val: Path) -> dict[str, float]:
+    """k-NN (k=20, T=0.07) and linear-probe top-1 of `encode`, trained on `train`, scored on `val`."""
     size = cfg.data.views[0].size
     def features(path):
         loader = build_image_loader(path, size, 256, device=device, mean=tuple(cfg.data.mean),
                                     std=tuple(cfg.data.std), num_workers=cfg.data.num_workers,
                                     crop_fraction=cfg.data.eval_crop_fraction)
         return extract_features(encode, loader, device)
-    train_x, train_y = features(cfg.data.train)
-    val_x, val_y = features(cfg.data.val)
+    train_x, train_y = features(train)
+    val_x, val_y = features(val)
     return {"knn": weighted_knn(train_x, train_y, val_x, val_y, ks=(20,))[20],
             "linear": train_linear_probe(train_x, train_y, val_x, val_y, device=device).final}
+
+
+def run_stage(command: list[str]) -> bool:
+    """Run a stage's command line as a user does; True when it succeeded."""
+    print("$", " ".join(command), flush=True)
+    return subprocess.run(command).returncode == 0
+
+
+def newest_result(run_dir: Path, pattern: str) -> dict:
+    """The newest RUN_DIR/eval/PATTERN result file, read."""
+    return json.loads(sorted((run_dir / "eval").glob(pattern))[-1].read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default="runs/demo", help="where the demo run goes (default: runs/demo)")
     parser.add_argument("--data-dir", default="data/digits", help="where the digits .beton files go")
+    parser.add_argument("--moved-dir", default="data/digits_moved", help="where the moved digits go")
+    parser.add_argument("--detection", action="store_true",
+                        help="also train the digit-scenes detector on the encoder and from random init "
+                             "(python -m transfer detection; make demo-detection)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help=f"extra overrides of {CONFIG}, e.g. optim.epochs=5")
     args = parser.parse_args(argv)
@@ -55,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ==== 1. data ====
     write_digits(data_dir)
+    moved = write_moved_digits(args.moved_dir)
 
     # ==== 2. pretraining, exactly as a user runs it ====
     if (run_dir / "finished.json").exists():
@@ -62,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"name={run_dir.name}", f"run_dir={run_dir}", "hvs.enabled=true",
                  f"data.train={data_dir / 'train.beton'}", f"data.val={data_dir / 'val.beton'}", *args.overrides]
     command = [sys.executable, "-m", "pretrain", "--config", CONFIG, *overrides]
-    print("$", " ".join(command), flush=True)
     pretrain_started = time.time()
-    if subprocess.run(command).returncode != 0:
+    if not run_stage(command):
         print("demo: pretraining failed (see above)", file=sys.stderr)
         return 1
 
@@ -77,16 +98,37 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     random_init = create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size,
                                   cfg.model.zero_init_residual).to(device).eval()
-    results = {name: evaluate(encode, cfg, device) for name, encode in
-               [("pretrained", pretrained), ("random_init", random_init), ("raw_pixels", lambda x: x.flatten(1))]}
+    encoders = {"pretrained": pretrained, "random_init": random_init, "raw_pixels": lambda x: x.flatten(1)}
+    plain = {name: evaluate(encode, cfg, device, cfg.data.train, cfg.data.val) for name, encode in encoders.items()}
+    shifted = {name: evaluate(encode, cfg, device, moved["train"], moved["val"]) for name, encode in encoders.items()}
 
-    # ==== 4. report ====
-    table = {protocol: {name: round(results[name][protocol], 4) for name in results} for protocol in ("knn", "linear")}
+    # ==== 4. transfer: fine-tuning with 10% of the labels (and detection) vs the same network from random init ====
+    table = {protocol: {name: round(plain[name][protocol], 4) for name in encoders} for protocol in ("knn", "linear")}
+    table.update({f"{protocol}_moved": {name: round(shifted[name][protocol], 4) for name in encoders}
+                  for protocol in ("knn", "linear")})
+    stages = {"finetune": ("finetune", "--config", FINETUNE_CONFIG)}
+    if args.detection:
+        stages["detection"] = ("detection",)
+    for stage, stage_args in stages.items():
+        table[stage] = {}
+        for name, start in (("pretrained", "export"), ("random_init", "random")):
+            if not run_stage([sys.executable, "-m", "transfer", *stage_args, "--run", str(run_dir), "--from", start]):
+                print(f"demo: {stage} failed (see above)", file=sys.stderr)
+                return 1
+            if stage == "finetune":
+                table[stage][name] = round(newest_result(run_dir, f"finetune_10pct_{start}_step*.json")["top1"], 4)
+            else:
+                table[stage][name] = round(newest_result(run_dir, f"detection_{start}_step*.json")["map"], 4)
+
+    # ==== 5. report ====
     table["seconds"] = round(time.time() - started, 1)
     (run_dir / "demo.json").write_text(json.dumps(table, indent=2) + "\n")
-    print(f"\n{'encoder':<14}{'k-NN top-1':>12}{'linear top-1':>14}")
-    for name in results:
-        print(f"{name:<14}{table['knn'][name]:>12.2%}{table['linear'][name]:>14.2%}")
+    columns = [("knn", "k-NN"), ("linear", "linear"), ("knn_moved", "k-NN moved"), ("linear_moved", "linear moved"),
+               ("finetune", "fine-tune 10%"), *([("detection", "detection mAP")] if args.detection else [])]
+    print(f"\n{'encoder':<14}" + "".join(f"{title:>15}" for _, title in columns))
+    for name in encoders:
+        cells = [table[key].get(name) for key, _ in columns]
+        print(f"{name:<14}" + "".join(f"{'-':>15}" if value is None else f"{value:>15.2%}" for value in cells))
     print(f"\n{table['seconds']:.0f} s in all ({pretrain_seconds:.0f} s pretraining); results in {run_dir / 'demo.json'}; "
           f"tensorboard --logdir {run_dir.parent}")
     return 0

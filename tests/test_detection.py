@@ -16,8 +16,8 @@ from pretrain.models import create_backbone
 from transfer.__main__ import main
 from transfer.detection import (OnePixelConv2d, ResNetC5BoxHead, coco_box_metrics, detection_backbone, learning_rates,
                                 load_detection_config)
-from transfer.digit_scenes import (DigitScenesError, render_scene, scene_generator, split_glyphs,
-                                   write_digit_scenes)
+from transfer.digit_scenes import (DigitScenesError, render_moved_digit, render_scene, scene_generator, split_glyphs,
+                                   write_digit_scenes, write_moved_digits)
 from eval.features import load_backbone_export
 
 TINY_SET = dict(num_train=12, num_val=8, image_size=64, seed=0)
@@ -61,6 +61,30 @@ def test_boxes_lie_in_the_image_and_are_tight_around_the_pasted_ink():
                     assert (a.box[0] + a.box[2] <= b.box[0] or b.box[0] + b.box[2] <= a.box[0]
                             or a.box[1] + a.box[3] <= b.box[1] or b.box[1] + b.box[3] <= a.box[1])
     assert checked >= 50
+
+
+def test_moved_digits_hold_every_digit_of_each_split_once_moved_scaled_and_recoloured(tmp_path):
+    from pretrain.data.loader import build_image_loader
+
+    paths = write_moved_digits(tmp_path, image_size=32)
+    for split, path in paths.items():
+        glyphs = split_glyphs(split)
+        loader = build_image_loader(path, 32, 512, mean=(0, 0, 0), std=(1, 1, 1), num_workers=1, crop_fraction=1.0)
+        labels = torch.cat([batch_labels for _, batch_labels, _ in loader])
+        assert labels.tolist() == glyphs.labels.tolist()          # every digit of the split, in order, once
+    # the glyph lands at different places and sizes: the ink's bounding boxes vary, and all lie in the image
+    boxes = set()
+    glyphs = split_glyphs("val")
+    for index in range(40):
+        rng = np.random.default_rng([0, 11, index])
+        image = render_moved_digit(rng, glyphs.opacity[index], 32)
+        background = render_moved_digit(np.random.default_rng([0, 11, index]), np.zeros_like(glyphs.opacity[index]), 32)
+        changed = np.abs(image.astype(int) - background.astype(int)).max(axis=2) > 60
+        rows, cols = np.nonzero(changed.any(axis=1))[0], np.nonzero(changed.any(axis=0))[0]
+        assert len(rows) and len(cols)                              # the digit is visible on its clutter
+        boxes.add((int(cols[0]) // 4, int(rows[0]) // 4, int(cols[-1] - cols[0]) // 4))
+    assert len(boxes) > 20
+    assert write_moved_digits(tmp_path, image_size=32) == paths     # complete files are kept
 
 
 def test_written_json_matches_the_rendered_scenes_and_splits_do_not_share_digits(tiny_scenes):

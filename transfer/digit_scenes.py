@@ -162,6 +162,30 @@ def boxes_apart(a: tuple[int, int, int, int], b: tuple[int, int, int, int], gap:
             or a[1] + a[3] + gap <= b[1] or b[1] + b[3] + gap <= a[1])
 
 
+def resized_glyph(opacity: np.ndarray, side: int) -> np.ndarray:
+    """A GLYPH_SIDE opacity glyph resized to `side` px (values in [0, 1], resampling specks zeroed)."""
+    interpolation = cv2.INTER_AREA if side < GLYPH_SIDE else cv2.INTER_LINEAR
+    resized = np.clip(cv2.resize(opacity, (side, side), interpolation=interpolation), 0.0, 1.0)
+    resized[resized < 1e-3] = 0.0          # resampling leaves specks of 1e-8 that would widen the box
+    return resized
+
+
+def paste_glyph(rng: np.random.Generator, image: np.ndarray, background: np.ndarray, opacity: np.ndarray,
+                x: int, y: int, box: tuple[int, int, int, int]) -> np.ndarray:
+    """Paint the glyph cell `opacity` at (x, y) of `image` in a random colour at least MIN_CONTRAST from the
+    `background` under its ink box `box` (the most distant of PLACEMENT_TRIES draws if none is); returns it."""
+    under = background[box[1]:box[1] + box[3], box[0]:box[0] + box[2]].reshape(-1, 3).mean(axis=0)
+    candidates = rng.uniform(0, 255, (PLACEMENT_TRIES, 3))
+    distances = np.linalg.norm(candidates - under, axis=1)
+    far_enough = np.nonzero(distances >= MIN_CONTRAST)[0]
+    colour = candidates[far_enough[0] if len(far_enough) else int(np.argmax(distances))]
+    side = opacity.shape[0]
+    alpha = opacity[..., None]
+    cell = image[y:y + side, x:x + side]
+    image[y:y + side, x:x + side] = cell * (1 - alpha) + colour[None, None] * alpha
+    return colour
+
+
 def render_scene(rng: np.random.Generator, glyphs: DigitGlyphs, size: int) -> Scene:
     """Draw one scene of `size` px from `glyphs`; every random choice comes from `rng`."""
     background = cluttered_background(rng, size)
@@ -171,9 +195,7 @@ def render_scene(rng: np.random.Generator, glyphs: DigitGlyphs, size: int) -> Sc
     for _ in range(int(rng.integers(DIGITS_PER_SCENE[0], DIGITS_PER_SCENE[1] + 1))):
         choice = int(rng.integers(len(glyphs.labels)))
         side = int(rng.integers(low, min(high, size) + 1))
-        interpolation = cv2.INTER_AREA if side < GLYPH_SIDE else cv2.INTER_LINEAR
-        opacity = np.clip(cv2.resize(glyphs.opacity[choice], (side, side), interpolation=interpolation), 0.0, 1.0)
-        opacity[opacity < 1e-3] = 0.0          # resampling leaves specks of 1e-8 that would widen the box
+        opacity = resized_glyph(glyphs.opacity[choice], side)
         glyph_box = ink_box(opacity)
         if glyph_box is None:
             continue
@@ -184,14 +206,7 @@ def render_scene(rng: np.random.Generator, glyphs: DigitGlyphs, size: int) -> Sc
                 break
         else:
             continue
-        under = background[box[1]:box[1] + box[3], box[0]:box[0] + box[2]].reshape(-1, 3).mean(axis=0)
-        candidates = rng.uniform(0, 255, (PLACEMENT_TRIES, 3))
-        distances = np.linalg.norm(candidates - under, axis=1)
-        far_enough = np.nonzero(distances >= MIN_CONTRAST)[0]
-        colour = candidates[far_enough[0] if len(far_enough) else int(np.argmax(distances))]
-        alpha = opacity[..., None]
-        cell = image[y:y + side, x:x + side]
-        image[y:y + side, x:x + side] = cell * (1 - alpha) + colour[None, None] * alpha
+        colour = paste_glyph(rng, image, background, opacity, x, y, box)
         digits.append(PastedDigit(digit=int(glyphs.labels[choice]), digit_index=int(glyphs.indices[choice]),
                                   box=box, cell=(x, y, side), colour=tuple(float(c) for c in colour),
                                   opacity=opacity))
@@ -315,6 +330,47 @@ def write_digit_scenes(out_dir: str | Path, *, num_train: int = DEFAULT_NUM_TRAI
     return {**paths, "written": True}
 
 
+# ============ moved digits: one digit per image, a classification set ============
+
+MOVED_DIGIT_SIDE = (0.45, 0.9)               # glyph cell side over the image side (14-29 px at 32 px)
+MOVED_SEED_CODE = {"train": 10, "val": 11}   # image i of a split is drawn from default_rng([seed, code, i])
+
+
+def render_moved_digit(rng: np.random.Generator, opacity: np.ndarray, size: int) -> np.ndarray:
+    """One glyph on a cluttered `size` px background at a random scale, position and colour (uint8 RGB)."""
+    background = cluttered_background(rng, size)
+    image = background.copy()
+    side = int(rng.integers(round(MOVED_DIGIT_SIDE[0] * size), round(MOVED_DIGIT_SIDE[1] * size) + 1))
+    cell = resized_glyph(opacity, side)
+    x, y = (int(v) for v in rng.integers(0, size - side + 1, 2))
+    glyph_box = ink_box(cell) or (0, 0, side, side)
+    paste_glyph(rng, image, background, cell, x, y, (x + glyph_box[0], y + glyph_box[1], glyph_box[2], glyph_box[3]))
+    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
+def write_moved_digits(out_dir: str | Path, *, image_size: int = 32, seed: int = 0, force: bool = False,
+                       workers: int = 2) -> dict[str, Path]:
+    """Every digit of the digits train and val splits once, moved, scaled (cell 45-90% of the side) and
+    recoloured on the scenes' dark clutter: OUT_DIR/train.beton and OUT_DIR/val.beton (+ .classes.json),
+    labels 0-9, for k-NN and linear evaluation where raw pixels cannot simply match aligned strokes.
+    Existing files are kept unless `force`. Returns {"train": path, "val": path}."""
+    from pretrain.data.writer import ArrayImageSet, classes_path, replace_atomically, write_beton
+
+    out_dir = Path(out_dir)
+    targets = {split: out_dir / f"{split}.beton" for split in SPLITS}
+    if not force and all(path.exists() for path in targets.values()):
+        return targets
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = json.dumps([str(digit) for digit in range(10)])
+    for split, path in targets.items():
+        glyphs = split_glyphs(split)
+        images = np.stack([render_moved_digit(np.random.default_rng([seed, MOVED_SEED_CODE[split], i]),
+                                              glyphs.opacity[i], image_size) for i in range(len(glyphs.labels))])
+        write_beton(path, ArrayImageSet(images.__getitem__, glyphs.labels.tolist(), None), workers=workers)
+        replace_atomically(lambda tmp: tmp.write_text(names), classes_path(path))
+    return targets
+
+
 # ============ command line: python -m transfer digit-scenes ============
 
 
@@ -340,10 +396,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="rewrite the set even when OUT_DIR holds a complete one (with the same or other "
                              "parameters)")
+    parser.add_argument("--moved-digits", action="store_true",
+                        help="write the moved-digits classification set instead: every digit once, moved, scaled "
+                             "and recoloured on clutter, as OUT_DIR/train.beton and val.beton (--image-size "
+                             "default 32 here; --num-train / --num-val do not apply)")
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    if args.moved_digits:
+        size = 32 if args.image_size == DEFAULT_IMAGE_SIZE else args.image_size
+        targets = write_moved_digits(args.out_dir, image_size=size, seed=args.seed, force=args.force)
+        print(f"moved digits, {size} px: {targets['train']}  {targets['val']} ({time.perf_counter() - started:.1f} s)")
+        return 0
     try:
         paths = write_digit_scenes(args.out_dir, num_train=args.num_train, num_val=args.num_val,
                                    image_size=args.image_size, seed=args.seed, force=args.force)
