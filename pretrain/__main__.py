@@ -13,7 +13,6 @@ saving a checkpoint (rerun the same command to resume).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pretrain.config import ConfigError, load_config
@@ -42,38 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(cfg))
         return 0
-    import torch.distributed as dist
-
     from pretrain.checkpoint import CheckpointError
     from pretrain.data import DatasetError
-    from pretrain.engine import TrainingDiverged, train
-    from pretrain.graceful_stop import StopRequested
+    from pretrain.engine import train
+    from pretrain.exit_status import run_training
     from pretrain.monitor import MetricsFileError
     from pretrain.run_lock import RunDirectoryInUse
 
-    def report(message: str) -> None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        prefix = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
-        print(f"{prefix}{message}", file=sys.stderr, flush=True)
+    return run_training(lambda: train(cfg),
+                        (ConfigError, DatasetError, CheckpointError, RunDirectoryInUse, MetricsFileError), "training")
 
-    try:
-        train(cfg)
-    except (ConfigError, DatasetError, CheckpointError, RunDirectoryInUse, MetricsFileError) as error:
-        report(f"error: {error}")
-        return 2
-    except TrainingDiverged as error:
-        report(f"error: {error}")
-        return 1
-    except StopRequested as error:
-        report(str(error))
-        return error.exit_code
-    except KeyboardInterrupt:          # Ctrl-C during the start-up, before train() handles signals
-        report("interrupted before training began; nothing to save")
-        return 130
-    finally:
-        if dist.is_initialized():   # its communication threads end here, not during interpreter shutdown
-            dist.destroy_process_group()
-    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

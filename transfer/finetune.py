@@ -26,7 +26,6 @@ run directory in use); 128 + N stopped by signal N after saving a checkpoint (re
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -470,11 +469,8 @@ def run(args: argparse.Namespace) -> int:
     """Fine-tune as `args` say; the exit status (see the module docstring). Never exits the process itself: the
     launcher calls this in every task of a job."""
     from pretrain.config import ConfigError
+    from pretrain.exit_status import report, run_training
     from transfer.finetune_config import load_finetune_config
-
-    def report(message: str) -> None:
-        prefix = f"[rank {os.environ.get('RANK', '0')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{prefix}{message}", file=sys.stderr, flush=True)
 
     try:
         cfg = load_finetune_config(args.config, args.overrides)
@@ -486,33 +482,12 @@ def run(args: argparse.Namespace) -> int:
         print(OmegaConf.to_yaml(cfg))
         return 0
 
-    import torch.distributed as dist
-
     from eval.features import EvaluationInputError
     from pretrain.checkpoint import CheckpointError
     from pretrain.data import DatasetError
-    from pretrain.engine import TrainingDiverged
-    from pretrain.graceful_stop import StopRequested
     from pretrain.monitor import MetricsFileError
     from pretrain.run_lock import RunDirectoryInUse
 
-    try:
-        inputs = resolve_inputs(cfg, args.run_dir, args.checkpoint, args.start)
-        train(cfg, inputs)
-    except (ConfigError, DatasetError, EvaluationInputError, CheckpointError, RunDirectoryInUse,
-            MetricsFileError) as error:
-        report(f"error: {error}")
-        return 2
-    except TrainingDiverged as error:
-        report(f"error: {error}")
-        return 1
-    except StopRequested as error:
-        report(str(error))
-        return error.exit_code
-    except KeyboardInterrupt:          # Ctrl-C during the start-up, before train() handles signals
-        report("interrupted before fine-tuning began; nothing to save")
-        return 130
-    finally:
-        if dist.is_initialized():   # its communication threads end here, not during interpreter shutdown
-            dist.destroy_process_group()
-    return 0
+    return run_training(lambda: train(cfg, resolve_inputs(cfg, args.run_dir, args.checkpoint, args.start)),
+                        (ConfigError, DatasetError, EvaluationInputError, CheckpointError, RunDirectoryInUse,
+                         MetricsFileError), "fine-tuning")

@@ -1,0 +1,42 @@
+"""The exit statuses every training command shares (`python -m pretrain`, `python -m transfer finetune`):
+0 done, 1 diverged, 2 bad input (one line naming it), 128 + N stopped by signal N, 130 interrupted during
+start-up. Messages go to stderr, prefixed with the rank when several processes run."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+
+def report(message: str) -> None:
+    """Print `message` to stderr, with `[rank R] ` in front when the job has several processes."""
+    prefix = f"[rank {os.environ.get('RANK', '0')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
+
+def run_training(train: Callable[[], None], input_errors: tuple[type[BaseException], ...], what: str) -> int:
+    """Call `train()` and turn how it ended into the exit status; `input_errors` are the bad-input errors
+    (status 2), `what` names the work in the start-up interruption message ("training", "fine-tuning")."""
+    import torch.distributed as dist
+
+    from pretrain.engine import TrainingDiverged
+    from pretrain.graceful_stop import StopRequested
+
+    try:
+        train()
+    except input_errors as error:
+        report(f"error: {error}")
+        return 2
+    except TrainingDiverged as error:
+        report(f"error: {error}")
+        return 1
+    except StopRequested as error:
+        report(str(error))
+        return error.exit_code
+    except KeyboardInterrupt:          # Ctrl-C during the start-up, before train() handles signals
+        report(f"interrupted before {what} began; nothing to save")
+        return 130
+    finally:
+        if dist.is_initialized():   # its communication threads end here, not during interpreter shutdown
+            dist.destroy_process_group()
+    return 0
