@@ -14,11 +14,15 @@ listed as skipped. One watcher per run: RUN_DIR/eval/watch.lock. A step's cached
 protocol has run on it.
 
 It exits when the run has finished (RUN_DIR/finished.json) and every published export is evaluated; with
---follow it keeps waiting for new checkpoints (e.g. of a run that will be resumed).
+--follow it keeps waiting for new checkpoints (e.g. of a run that will be resumed). With --until-job JOBID (the
+pretraining's Slurm job; `python -m launch pipeline` passes it) it also stops, with exit status 1, once that
+job has ended without finishing the run (failed, cancelled, out of requeues), after evaluating what it
+published: a watcher does not wait out its time limit for a run that will not go on.
 """
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +42,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep waiting for new checkpoints after the run has finished")
     parser.add_argument("--poll-seconds", type=float, default=30.0,
                         help="how often to look for new exports (default: %(default)s)")
+    parser.add_argument("--until-job", metavar="JOBID",
+                        help="the pretraining's Slurm job: stop (exit status 1) once it has ended without "
+                             "finishing the run")
+
+
+# Slurm job states (squeue %T) of a job that may still write checkpoints, requeued ones included.
+LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
+                   "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT")
+
+
+def slurm_job_state(job_id: str) -> str | None:
+    """The job's state as squeue reports it, or None once squeue no longer knows the job."""
+    try:
+        result = subprocess.run(["squeue", "-h", "--states=all", "-j", job_id, "-o", "%T"], capture_output=True,
+                                text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN (squeue did not answer)"          # not a verdict: treated as alive, asked again next poll
+    states = result.stdout.split()
+    return states[0] if result.returncode == 0 and states else None
+
+
+def job_has_ended(job_id: str, grace_seconds: float) -> str | None:
+    """The final state of `job_id` ("gone from squeue" when purged), or None while it lives. A state that
+    looks final is asked again after `grace_seconds`, so a job caught between a stop and its requeue is
+    not taken for ended."""
+    for attempt in range(2):
+        state = slurm_job_state(job_id)
+        if state is not None and (state in LIVE_JOB_STATES or state.startswith("UNKNOWN")):
+            return None
+        if attempt == 0:
+            time.sleep(grace_seconds)
+    return state or "gone from squeue"
 
 
 def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]], list[int]]:
@@ -94,6 +130,9 @@ def watch(args: argparse.Namespace) -> int:
     try:
         print(f"watching {run_dir} for checkpoints to evaluate with {', '.join(protocols)}", flush=True)
         while True:
+            # The job's state first, then finished.json, then the exports: a job that ended after writing
+            # finished.json is seen finished, and whatever it published is evaluated before the verdict.
+            ended = job_has_ended(args.until_job, min(args.poll_seconds, 10.0)) if args.until_job else None
             finished = (run_dir / "finished.json").is_file()      # read first: the exports are complete by then
             todo, skipped = pending(run_dir, protocols)
             for step in sorted(set(skipped) - reported_skips):
@@ -113,6 +152,11 @@ def watch(args: argparse.Namespace) -> int:
                 print(f"done: {run_dir} has finished and every published checkpoint is evaluated "
                       f"({evaluated} evaluations now, {len(reported_skips)} checkpoints skipped)", flush=True)
                 return 0
+            if ended and not finished:
+                print(f"stopped: the pretraining job {args.until_job} has ended ({ended}) without finishing "
+                      f"{run_dir}; {evaluated} evaluations now, every published checkpoint evaluated. Resume the "
+                      f"run (submit it again) and start a new watcher", file=sys.stderr, flush=True)
+                return 1
             time.sleep(args.poll_seconds)
     finally:
         lock.release()

@@ -48,7 +48,9 @@ def report(entry: dict, run_dir: Path) -> None:
 def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step], dependency: str | None = None):
     executor = build_executor(options, run_dir / "jobs", run_dir.name)
     if dependency and options.cluster == "slurm":
-        executor.update_parameters(dependency=dependency)
+        # kill-on-invalid-dep: a job whose dependency can no longer be met is cancelled, not left pending
+        executor.update_parameters(dependency=dependency, additional_parameters={
+            **executor.parameters.get("additional_parameters", {}), "kill-on-invalid-dep": "yes"})
     job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir)))
     entry = record_job(run_dir, kind, job, options, steps)
     report(entry, run_dir)
@@ -103,9 +105,9 @@ def command_pretrain(args: argparse.Namespace) -> int:
 
 # ============ evaluation, fine-tuning, pipeline ============
 
-def watch_step(run_dir: Path, protocols: str, follow: bool = False) -> Step:
-    return Step("eval", ["watch", "--run", str(run_dir), "--protocols", protocols, *(["--follow"] if follow else [])],
-                distributed=False)
+def watch_step(run_dir: Path, protocols: str, follow: bool = False, until_job: str | None = None) -> Step:
+    return Step("eval", ["watch", "--run", str(run_dir), "--protocols", protocols, *(["--follow"] if follow else []),
+                         *(["--until-job", until_job] if until_job else [])], distributed=False)
 
 
 def command_eval_watch(args: argparse.Namespace) -> int:
@@ -148,8 +150,9 @@ def command_pipeline(args: argparse.Namespace) -> int:
     training = submit(options, run_dir, "pretrain", [pretraining])
     single = ClusterOptions(**{**vars(options), "nodes": 1, "tasks_per_node": 1, "gpus_per_node": args.eval_gpus,
                                "max_requeues": options.max_requeues})
-    # The watcher starts with the training (after:), the final evaluations once it succeeded (afterok:).
-    submit(single, run_dir, "eval-watch", [watch_step(run_dir, args.watch_protocols)],
+    # The watcher starts with the training (after:) and stops when it ends unfinished (--until-job); the final
+    # evaluations start once it succeeded (afterok:), and are cancelled by Slurm when it failed.
+    submit(single, run_dir, "eval-watch", [watch_step(run_dir, args.watch_protocols, until_job=training.job_id)],
            dependency=f"after:{training.job_id}")
     if finals:
         final_options = options if any(step.distributed for step in finals) else single
