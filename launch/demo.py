@@ -54,9 +54,10 @@ def run_stage(command: list[str]) -> bool:
     return subprocess.run(command).returncode == 0
 
 
-def newest_result(run_dir: Path, pattern: str) -> dict:
-    """The newest RUN_DIR/eval/PATTERN result file, read."""
-    return json.loads(sorted((run_dir / "eval").glob(pattern))[-1].read_text())
+def newest_result(run_dir: Path, prefix: str) -> dict:
+    """The newest result file RUN_DIR/eval/PREFIX_stepNNNNNNN.json, read (not the files written next to it,
+    such as a detector's ..._stepNNNNNNN_detections.json)."""
+    return json.loads(sorted((run_dir / "eval").glob(f"{prefix}_step{'[0-9]' * 7}.json"))[-1].read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"demo: {stage} failed (see above)", file=sys.stderr)
                 return 1
             if stage == "finetune":
-                table[stage][name] = round(newest_result(run_dir, f"finetune_10pct_{start}_step*.json")["top1"], 4)
+                table[stage][name] = round(newest_result(run_dir, f"finetune_10pct_{start}")["top1"], 4)
             else:
-                table[stage][name] = round(newest_result(run_dir, f"detection_{start}_step*.json")["map"], 4)
+                table[stage][name] = round(newest_result(run_dir, f"detection_{start}")["map"], 4)
 
     # ==== 5. report ====
     table["seconds"] = round(time.time() - started, 1)
