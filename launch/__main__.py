@@ -105,15 +105,17 @@ def command_pretrain(args: argparse.Namespace) -> int:
 
 # ============ evaluation, fine-tuning, pipeline ============
 
-def watch_step(run_dir: Path, protocols: str, follow: bool = False, until_job: str | None = None) -> Step:
-    return Step("eval", ["watch", "--run", str(run_dir), "--protocols", protocols, *(["--follow"] if follow else []),
-                         *(["--until-job", until_job] if until_job else [])], distributed=False)
+def watch_step(run_dir: Path, protocols: str, poll_seconds: float, follow: bool = False,
+               until_job: str | None = None) -> Step:
+    return Step("eval", ["watch", "--run", str(run_dir), "--protocols", protocols, "--poll-seconds", str(poll_seconds),
+                         *(["--follow"] if follow else []), *(["--until-job", until_job] if until_job else [])],
+                distributed=False)
 
 
 def command_eval_watch(args: argparse.Namespace) -> int:
     options = cluster_options(args)
     run_dir = Path(args.run).resolve()
-    submit(options, run_dir, "eval-watch", [watch_step(run_dir, args.protocols, args.follow)])
+    submit(options, run_dir, "eval-watch", [watch_step(run_dir, args.protocols, args.poll_seconds, args.follow)])
     return 0
 
 
@@ -144,7 +146,7 @@ def command_pipeline(args: argparse.Namespace) -> int:
     final_protocols = ",".join(p for p in split(args.final_protocols) if p not in split(args.watch_protocols))
     finals = final_steps(run_dir, final_protocols, args.transfer)
     if options.cluster == "local":          # one local job: the stages in order
-        steps = [pretraining, watch_step(run_dir, args.watch_protocols), *finals]
+        steps = [pretraining, watch_step(run_dir, args.watch_protocols, args.watch_poll_seconds), *finals]
         submit(options, run_dir, "pipeline", steps)
         return 0
     training = submit(options, run_dir, "pretrain", [pretraining])
@@ -152,7 +154,8 @@ def command_pipeline(args: argparse.Namespace) -> int:
                                "max_requeues": options.max_requeues})
     # The watcher starts with the training (after:) and stops when it ends unfinished (--until-job); the final
     # evaluations start once it succeeded (afterok:), and are cancelled by Slurm when it failed.
-    submit(single, run_dir, "eval-watch", [watch_step(run_dir, args.watch_protocols, until_job=training.job_id)],
+    submit(single, run_dir, "eval-watch", [watch_step(run_dir, args.watch_protocols, args.watch_poll_seconds,
+                                                       until_job=training.job_id)],
            dependency=f"after:{training.job_id}")
     if finals:
         final_options = options if any(step.distributed for step in finals) else single
@@ -205,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--run", required=True, metavar="RUN_DIR")
     watch.add_argument("--protocols", default="knn,linear", help="protocols per checkpoint (default: %(default)s)")
     watch.add_argument("--follow", action="store_true", help="keep watching after the run has finished")
+    watch.add_argument("--poll-seconds", type=float, default=30.0,
+                       help="how often the watcher looks for new exports (default: %(default)s)")
     add_cluster_arguments(watch)
     watch.set_defaults(handler=command_eval_watch)
 
@@ -216,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("overrides", nargs="*", metavar="key=value")
     pipeline.add_argument("--watch-protocols", default="knn",
                           help="protocols run on every checkpoint while training goes on (default: %(default)s)")
+    pipeline.add_argument("--watch-poll-seconds", type=float, default=30.0,
+                          help="how often the watcher looks for new exports (default: %(default)s)")
     pipeline.add_argument("--final-protocols", default="linear",
                           help="protocols run on the final export only, after pretraining succeeded (default: "
                                "%(default)s; the watch protocols already ran on it)")

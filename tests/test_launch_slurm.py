@@ -140,7 +140,7 @@ def test_pipeline_evaluates_only_after_pretraining_succeeded(cluster, digits, tm
     run_dir = tmp_path / "run"
     result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
                     "engine.max_steps=4", "engine.checkpoint_every_steps=2", "--watch-protocols", "knn",
-                    "--final-protocols", "knn,linear", *SLURM, "--time", "10")
+                    "--final-protocols", "knn,linear", "--watch-poll-seconds", "3", *SLURM, "--time", "10")
     pretraining, watcher, final = submitted(result.stdout)
     kinds = [json.loads(line)["kind"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
     assert kinds == ["pretrain", "eval-watch", "final-eval"]
@@ -156,7 +156,7 @@ def test_pipeline_evaluates_only_after_pretraining_succeeded(cluster, digits, tm
     # A pretraining that fails: its final evaluation never starts.
     broken = tmp_path / "broken"
     result = launch("pipeline", "--config", str(CONFIG), *TINY, f"data.train={tmp_path / 'missing.beton'}",
-                    f"run_dir={broken}", *SLURM, "--time", "10")
+                    f"run_dir={broken}", "--watch-poll-seconds", "3", *SLURM, "--time", "10")
     pretraining, watcher, final = submitted(result.stdout)
     wait_until(lambda: scontrol_job(pretraining).get("JobState") == "FAILED", "the failed pretraining")
     # Slurm cancels the final job (kill-on-invalid-dep) and the watcher stops by itself, naming the job:
