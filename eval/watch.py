@@ -52,13 +52,16 @@ LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED
                    "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT")
 
 
+SQUEUE_UNANSWERED = "UNKNOWN (squeue did not answer)"   # not a verdict: taken as alive, asked again next poll
+
+
 def slurm_job_state(job_id: str) -> str | None:
     """The job's state as squeue reports it, or None once squeue no longer knows the job."""
     try:
         result = subprocess.run(["squeue", "-h", "--states=all", "-j", job_id, "-o", "%T"], capture_output=True,
                                 text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
-        return "UNKNOWN (squeue did not answer)"          # not a verdict: treated as alive, asked again next poll
+        return SQUEUE_UNANSWERED
     states = result.stdout.split()
     return states[0] if result.returncode == 0 and states else None
 
@@ -67,13 +70,14 @@ def job_has_ended(job_id: str, grace_seconds: float) -> str | None:
     """The final state of `job_id` ("gone from squeue" when purged), or None while it lives. A state that
     looks final is asked again after `grace_seconds`, so a job caught between a stop and its requeue is
     not taken for ended."""
-    for attempt in range(2):
-        state = slurm_job_state(job_id)
-        if state is not None and (state in LIVE_JOB_STATES or state.startswith("UNKNOWN")):
-            return None
-        if attempt == 0:
-            time.sleep(grace_seconds)
-    return state or "gone from squeue"
+    def alive(state: str | None) -> bool:
+        return state in LIVE_JOB_STATES or state == SQUEUE_UNANSWERED
+
+    if alive(slurm_job_state(job_id)):
+        return None
+    time.sleep(grace_seconds)
+    state = slurm_job_state(job_id)
+    return None if alive(state) else state or "gone from squeue"
 
 
 def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]], list[int]]:

@@ -105,9 +105,11 @@ def command_pretrain(args: argparse.Namespace) -> int:
 
 # ============ evaluation, fine-tuning, pipeline ============
 
-def watch_step(run_dir: Path, protocols: str, poll_seconds: float, follow: bool = False,
+def watch_step(run_dir: Path, protocols: str, poll_seconds: float | None, follow: bool = False,
                until_job: str | None = None) -> Step:
-    return Step("eval", ["watch", "--run", str(run_dir), "--protocols", protocols, "--poll-seconds", str(poll_seconds),
+    """`python -m eval watch ...`; options left as None keep eval watch's defaults."""
+    return Step("eval", ["watch", "--run", str(run_dir), "--protocols", protocols,
+                         *(["--poll-seconds", str(poll_seconds)] if poll_seconds is not None else []),
                          *(["--follow"] if follow else []), *(["--until-job", until_job] if until_job else [])],
                 distributed=False)
 
@@ -208,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--run", required=True, metavar="RUN_DIR")
     watch.add_argument("--protocols", default="knn,linear", help="protocols per checkpoint (default: %(default)s)")
     watch.add_argument("--follow", action="store_true", help="keep watching after the run has finished")
-    watch.add_argument("--poll-seconds", type=float, default=30.0,
-                       help="how often the watcher looks for new exports (default: %(default)s)")
+    watch.add_argument("--poll-seconds", type=float,
+                       help="how often the watcher looks for new exports (default: eval watch's)")
     add_cluster_arguments(watch)
     watch.set_defaults(handler=command_eval_watch)
 
@@ -221,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("overrides", nargs="*", metavar="key=value")
     pipeline.add_argument("--watch-protocols", default="knn",
                           help="protocols run on every checkpoint while training goes on (default: %(default)s)")
-    pipeline.add_argument("--watch-poll-seconds", type=float, default=30.0,
-                          help="how often the watcher looks for new exports (default: %(default)s)")
+    pipeline.add_argument("--watch-poll-seconds", type=float,
+                          help="how often the watcher looks for new exports (default: eval watch's)")
     pipeline.add_argument("--final-protocols", default="linear",
                           help="protocols run on the final export only, after pretraining succeeded (default: "
                                "%(default)s; the watch protocols already ran on it)")
