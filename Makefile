@@ -1,6 +1,7 @@
 # make demo   installs everything it needs, then runs the whole pipeline on the embedded digits data
 # make demo-detection  the same, plus detection on the digit scenes (longer)
 # make test   installs everything it needs, then runs the test suite
+# make test-fast  the unit tier only: the tests not marked slow or slurm (about a minute)
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
 # make gpu-check  on a machine with a CUDA GPU: the GPU-only tests (tests/gpu), then the GPU throughput table
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev
 
-.PHONY: install demo demo-detection test bench gpu-check clean-runs
+.PHONY: install demo demo-detection test test-fast bench gpu-check clean-runs
 
 install: $(VENV)/.installed
 
@@ -33,6 +34,9 @@ demo-detection: install
 
 test: install
 	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow and not slurm"
 
 bench: install
 	$(PY) -m pretrain.bench loader

@@ -9,6 +9,7 @@ step. User errors (missing or mismatched checkpoint, missing .beton) print one m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -22,6 +23,7 @@ from eval.features import (BackboneExport, EvaluationInputError, evaluation_crop
                            resolve_device)
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe, train_linear_probe_on_views
+from eval.results import feature_cache_path, write_results
 from eval.retrieval import clustering_nmi, retrieval_metrics
 
 # ============ inputs: checkpoint, data, features ============
@@ -55,7 +57,7 @@ class EvaluationInputs:
 
     @property
     def cache_path(self) -> Path:
-        return self.out_dir / "eval" / f"features_step{self.export.step:07d}.pt"
+        return feature_cache_path(self.out_dir, self.export.step)
 
     def cache_key(self) -> dict[str, Any]:
         """What the cached features depend on; a cache with another key is recomputed, never reused."""
@@ -93,41 +95,7 @@ class EvaluationInputs:
         return features
 
 
-# ============ outputs: JSON, TensorBoard, console ============
-
-
-def result_path(run_dir: Path, protocol: str, step: int) -> Path:
-    """RUN_DIR/eval/{protocol}_step{step:07d}.json: one result per protocol and export step."""
-    return Path(run_dir) / "eval" / f"{protocol}_step{step:07d}.json"
-
-
-def write_results(inputs: EvaluationInputs, protocol: str, top1: dict[str, float] | float,
-                  scalars: dict[str, float], details: dict[str, Any]) -> Path:
-    """Write the TensorBoard `scalars` at the export's step, then RUN_DIR/eval/{protocol}_step{step:07d}.json.
-
-    The JSON, written last and atomically, records the evaluation as done. The scalars go to an event file of
-    their own, named after the result, which replaces one left by an earlier attempt that never reached its
-    JSON: an evaluation redone after a crash is in TensorBoard once.
-    """
-    from torch.utils.tensorboard import SummaryWriter  # tensorboard import is slow; only pay for it here
-
-    from pretrain.checkpoint import write_text_atomically
-
-    export = inputs.export
-    result = {"protocol": protocol, "step": export.step, "epoch": export.epoch,
-              "checkpoint": str(inputs.checkpoint), "arch": export.arch, "top1": top1,
-              "train": str(inputs.train_path), "val": str(inputs.val_path), **details}
-    path = result_path(inputs.out_dir, protocol, export.step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = f".{path.stem}"
-    for earlier in (inputs.out_dir / "tb").glob(f"events.out.tfevents.*{suffix}"):
-        earlier.unlink()
-    writer = SummaryWriter(log_dir=str(inputs.out_dir / "tb"), filename_suffix=suffix)
-    for tag, value in scalars.items():
-        writer.add_scalar(tag, value, global_step=export.step)
-    writer.close()
-    write_text_atomically(path, json.dumps(result, indent=2) + "\n")
-    return path
+# ============ outputs: console (the JSON and the TensorBoard scalars: eval/results.py) ============
 
 
 def print_header(title: str, inputs: EvaluationInputs, num_train: int, num_val: int, seconds: float) -> None:
@@ -383,8 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=watch.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     watch.add_arguments(follow)
     add_data_options(follow)
-    follow.set_defaults(handler=watch.watch)
+    follow.set_defaults(handler=functools.partial(watch.watch, evaluate=evaluate))
     return parser
+
+
+def evaluate(argv: list[str]) -> None:
+    """Run one protocol in this process as `python -m eval ARGV` would, its errors let through: how the watcher
+    evaluates an export (handed to `eval.watch.watch`, which does not import this module back)."""
+    args = build_parser().parse_args(argv)
+    args.handler(args)
 
 
 def main(argv: list[str] | None = None) -> int:

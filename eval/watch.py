@@ -25,8 +25,10 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from eval.results import feature_cache_path, result_path
 from pretrain.checkpoint import export_path, published_export_steps
 
 PROTOCOLS = ("knn", "linear", "retrieval")   # the sub-commands of `python -m eval` the watcher can run
@@ -83,8 +85,6 @@ def job_has_ended(job_id: str, grace_seconds: float) -> str | None:
 def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]], list[int]]:
     """(step, protocol) pairs still to evaluate, oldest first, and the published steps whose export was
     deleted before every protocol ran on it."""
-    from eval.__main__ import result_path
-
     todo, skipped = [], []
     for step in sorted(set(published_export_steps(run_dir))):
         missing = [p for p in protocols if not result_path(run_dir, p, step).is_file()]
@@ -97,19 +97,20 @@ def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]],
     return todo, skipped
 
 
-def run_protocol(args: argparse.Namespace, protocol: str, step: int) -> None:
-    from eval.__main__ import build_parser
-
+def run_protocol(args: argparse.Namespace, protocol: str, step: int,
+                 evaluate: Callable[[list[str]], object]) -> None:
+    """`python -m eval PROTOCOL --run RUN_DIR --checkpoint EXPORT [data options]`, run by `evaluate` (eval.__main__'s
+    runs it in this process)."""
     argv = [protocol, "--run", str(args.run), "--checkpoint", str(export_path(args.run, step))]
     for name in FORWARDED:
         value = getattr(args, name, None)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    protocol_args = build_parser().parse_args(argv)
-    protocol_args.handler(protocol_args)
+    evaluate(argv)
 
 
-def watch(args: argparse.Namespace) -> int:
+def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> int:
+    """Follow `args.run` (see the module docstring); `evaluate(argv)` runs one `python -m eval` protocol command."""
     from eval.features import EvaluationInputError
     from pretrain.run_lock import RunDirectoryInUse, RunLock
 
@@ -145,11 +146,11 @@ def watch(args: argparse.Namespace) -> int:
                 reported_skips.add(step)
             for step, protocol in todo:
                 print(f"evaluating step {step}: {protocol}", flush=True)
-                run_protocol(args, protocol, step)
+                run_protocol(args, protocol, step, evaluate)
                 evaluated += 1
                 if (step, protocol) == max(t for t in todo if t[0] == step):
                     # the step's cached features (as large as the training set's features) are no longer needed
-                    (run_dir / "eval" / f"features_step{step:07d}.pt").unlink(missing_ok=True)
+                    feature_cache_path(run_dir, step).unlink(missing_ok=True)
             if todo:
                 continue                     # new exports may have appeared meanwhile
             if finished and not args.follow:

@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.checkpoint import CheckpointError
     from pretrain.data import DatasetError
     from pretrain.engine import train
-    from pretrain.exit_status import run_training
+    from pretrain.exit_status import exit_status_of
     from pretrain.monitor import MetricsFileError
     from pretrain.run_lock import RunDirectoryInUse
 
-    return run_training(lambda: train(cfg),
+    return exit_status_of(lambda: train(cfg),
                         (ConfigError, DatasetError, CheckpointError, RunDirectoryInUse, MetricsFileError), "training")
 
 

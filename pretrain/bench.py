@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import resource
 import shutil
 import sys
@@ -247,7 +246,7 @@ class DecodePerViewLoader:
     def epoch(self, epoch: int):
         from pretrain.data.augment import augment_group
         from pretrain.data.ffcv_loader import ffcv_batches
-        from pretrain.data.loader import seeded_generator
+        from pretrain.data.seeding import seeded_generator
         from pretrain.data.views import ViewBatch
 
         order = torch.randperm(self.num_images, generator=seeded_generator(self.seed, epoch)).numpy()
@@ -404,14 +403,17 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
     import deepspeed
 
     from pretrain.config import views_to_draw
-    from pretrain.engine import deepspeed_config, train_step
+    from pretrain.data.views import ViewBatch
+    from pretrain.loop import LoopOptions, deepspeed_config, train_step
     from pretrain.methods import build_method
     from pretrain.optim import build_optimizer
+    from pretrain.task import BatchPosition
 
     torch.manual_seed(0)
     method = build_method(cfg)
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
-    engine, _, _, _ = deepspeed.initialize(model=method, optimizer=optimizer, config=deepspeed_config(cfg))
+    engine, _, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
+                                         config=deepspeed_config(LoopOptions.from_config(cfg)))
     batch = cfg.data.batch_size
     groups = views_to_draw(cfg)
     views = [torch.randn(batch, g.count, 3, g.size, g.size) for g in groups]
@@ -420,14 +422,14 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()
-        train_step(engine, method, views, boxes, labels, cfg.hvs, random.Random(step))
+        train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(batch)), BatchPosition(step, 0, 0, 0))
         times.append(time.perf_counter() - start)
     return float(np.median(times[warmup:]))
 
 
 def run_hvs_benchmark(args: argparse.Namespace) -> dict:
     from pretrain.config import load_config
-    from pretrain.engine import init_distributed
+    from pretrain.distributed import init_distributed
 
     init_distributed()
     rows = []

@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import deepspeed
@@ -28,6 +29,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from pretrain.atomic_write import write_text_atomically
+from pretrain.distributed import all_ranks_agree, average_buffers, parameters_finite_on_every_rank
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -37,11 +41,11 @@ TRAINER_STATE = "trainer_state.json"
 # change on resume: the new values apply from the resumed step on.
 RUN_LAYOUT = {
     "world_size": "the number of processes",
-    "batch_size": "data.batch_size",
-    "grad_accum": "optim.grad_accum",
-    "num_images": "the number of images in data.train",
-    "epochs": "optim.epochs",
-    "seed": "seed",
+    "batch_size": "the batch size per process",
+    "grad_accum": "the micro-batches per optimizer step",
+    "num_images": "the number of training images",
+    "epochs": "the number of epochs",
+    "seed": "the seed",
 }
 
 
@@ -49,49 +53,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as it is; the message says why and what to do."""
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename: readers see the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def run_layout(cfg: DictConfig, world_size: int, num_images: int) -> dict[str, int]:
-    """The settings of RUN_LAYOUT for this start."""
-    return {"world_size": world_size, "batch_size": cfg.data.batch_size, "grad_accum": cfg.optim.grad_accum,
-            "num_images": num_images, "epochs": cfg.optim.epochs, "seed": cfg.seed}
-
-
-def all_ranks_agree(ok: bool) -> bool:
-    """True when `ok` holds on every process (a collective: call it on every rank)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return ok
-    flag = torch.tensor([1.0 if ok else 0.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def parameters_finite_on_every_rank(module: nn.Module) -> bool:
-    """True when no parameter of `module` holds NaN or inf on any process (ZeRO-3: this rank's partition)."""
-    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in module.parameters())
-    return all_ranks_agree(finite)
-
-
-def average_buffers(module: nn.Module) -> None:
-    """All-reduce (mean) floating-point buffers such as BatchNorm running statistics: DeepSpeed broadcasts
-    parameters once at start but never buffers, so without SyncBatchNorm they drift apart between ranks."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    for buffer in module.buffers():
-        if buffer.is_floating_point():
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-            buffer.div_(dist.get_world_size())
+def run_layout(options, world_size: int, num_images: int) -> dict[str, int]:
+    """The settings of RUN_LAYOUT for this start; `options`: the loop's (`pretrain.loop.LoopOptions`)."""
+    return {"world_size": world_size, "batch_size": options.batch_size, "grad_accum": options.grad_accum,
+            "num_images": num_images, "epochs": options.epochs, "seed": options.seed}
 
 
 def describe_write_error(error: Exception, directory: Path) -> str:
@@ -198,17 +163,39 @@ def check_layout(checkpoint: Path, layout: dict[str, int]) -> None:
             "trained with (processes: torchrun --nproc-per-node N), or start a new run with another name=... .")
 
 
-def check_resumable(saved_config_path: Path, cfg: DictConfig) -> None:
-    """Refuse to resume a run directory written by a different model / method (a likely mistake)."""
+def changed_settings(saved, current, keys: Sequence[str]) -> list[str]:
+    """`key=old -> new` for every setting under `keys` (each a dotted key or a whole section) that differs between
+    the configs `saved` and `current` (DictConfigs or plain dicts)."""
+    saved, current = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(saved), resolve=True)), \
+        OmegaConf.create(OmegaConf.to_container(OmegaConf.create(current), resolve=True))
+
+    def leaves(key: str):
+        node = OmegaConf.select(current, key)
+        if OmegaConf.is_dict(node):
+            for name in node:
+                yield from leaves(f"{key}.{name}")
+        else:
+            yield key
+
+    def plain(value):
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+    return [f"{leaf}={plain(OmegaConf.select(saved, leaf))!r} -> {plain(OmegaConf.select(current, leaf))!r}"
+            for key in keys for leaf in leaves(key)
+            if plain(OmegaConf.select(saved, leaf)) != plain(OmegaConf.select(current, leaf))]
+
+
+def check_resumable(saved_config_path: Path, config, keys: Sequence[str]) -> None:
+    """Refuse to resume a run directory whose RUN_DIR/config.yaml differs from `config` in any setting under `keys`
+    (what would make it another run: pretraining's model and method; fine-tuning's and detection's whole recipe)."""
     if not saved_config_path.is_file():
         return
-    saved = OmegaConf.load(saved_config_path)
-    for key in ("model.arch", "model.stem", "method.name", "model.proj_out_dim"):
-        old, new = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
-        if old != new:
-            raise CheckpointError(
-                f"{saved_config_path.parent} holds a run with {key}={old!r}, but this config has {key}={new!r}. "
-                "Use another run name (name=...) or delete that directory.")
+    changed = changed_settings(OmegaConf.load(saved_config_path), config, keys)
+    if changed:
+        raise CheckpointError(
+            f"{saved_config_path.parent} holds a run with other settings ({'; '.join(changed)}): resuming it would "
+            "not train what this command asks for. Use another run name (name=...), rerun with the settings in "
+            f"{saved_config_path}, or delete that directory.")
 
 
 def check_fresh_start(run_dir: Path) -> None:

@@ -17,6 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pretrain.config_error import ConfigError  # defined there so that the methods can raise it too; re-exported
 from pretrain.data.augment import check_view_group
 from pretrain.data.batch_designs import BatchDesign, check_batch_design
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
@@ -156,10 +157,6 @@ def check_architecture(arch: str) -> None:
     close = difflib.get_close_matches(arch, timm.list_models(), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. resnet18, resnet50, vit_small_patch16_224"
     raise ConfigError(f"model.arch={arch!r} is not a timm model name{hint} (`timm.list_models()` lists them all)")
-
-
-class ConfigError(ValueError):
-    """A configuration the user must fix; the message says what and how."""
 
 
 def schema_keys(schema: type, prefix: str = "") -> list[str]:

@@ -1,4 +1,4 @@
-"""The exit statuses every training command shares (`python -m pretrain`, `python -m transfer finetune`):
+"""The exit statuses every training command shares (`python -m pretrain`, `python -m transfer finetune|detection`):
 0 done, 1 diverged, 2 bad input (one line naming it), 128 + N stopped by signal N, 130 interrupted during
 start-up. Messages go to stderr, prefixed with the rank when several processes run."""
 from __future__ import annotations
@@ -14,18 +14,19 @@ def report(message: str) -> None:
     print(f"{prefix}{message}", file=sys.stderr, flush=True)
 
 
-def run_training(train: Callable[[], None], input_errors: tuple[type[BaseException], ...], what: str) -> int:
+def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseException], ...], what: str) -> int:
     """Call `train()` and turn how it ended into the exit status; `input_errors` are the bad-input errors
     (status 2), `what` names the work in the start-up interruption message ("training", "fine-tuning")."""
     import torch.distributed as dist
 
-    from pretrain.engine import TrainingDiverged
+    from pretrain.divergence import TrainingDiverged
     from pretrain.graceful_stop import StopRequested
 
     try:
         train()
     except input_errors as error:
-        report(f"error: {error}")
+        # one line, all of it: OmegaConf's type errors span several (value, full_key, types)
+        report("error: " + " ".join(line.strip() for line in str(error).splitlines()))
         return 2
     except TrainingDiverged as error:
         report(f"error: {error}")
@@ -38,5 +39,11 @@ def run_training(train: Callable[[], None], input_errors: tuple[type[BaseExcepti
         return 130
     finally:
         if dist.is_initialized():   # its communication threads end here, not during interpreter shutdown
-            dist.destroy_process_group()
+            import deepspeed.comm
+            # DeepSpeed's own call also drops the groups DeepSpeed cached, which a later run in this process (a
+            # pipeline, a test) would otherwise use: "Group ... is not registered".
+            if deepspeed.comm.is_initialized():
+                deepspeed.comm.destroy_process_group()
+            else:
+                dist.destroy_process_group()
     return 0

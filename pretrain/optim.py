@@ -6,6 +6,7 @@ so resuming at step s continues the schedule exactly, and the schedule is testab
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -83,3 +84,32 @@ def set_schedule_values(optimizer: torch.optim.Optimizer, lr: float, weight_deca
             group["lr"] = 0.0
         if not group.get("no_decay"):
             group["weight_decay"] = weight_decay
+
+
+@dataclass(frozen=True)
+class Schedules:
+    """The peak learning rate and the per-step learning rate and weight decay (arrays indexed by optimizer step)."""
+
+    peak_lr: float
+    lr: np.ndarray
+    weight_decay: np.ndarray
+
+
+def schedules_from_config(cfg: DictConfig, steps_per_epoch: int, global_batch: int) -> Schedules:
+    """The `optim.*` recipe of pretraining and fine-tuning: the lr scaled to the global batch (`scaled_lr`), a linear
+    warm-up over optim.warmup_epochs then a cosine to optim.min_lr; the weight decay a cosine from
+    optim.weight_decay to optim.weight_decay_end (constant when that is null)."""
+    o = cfg.optim
+    peak_lr = scaled_lr(cfg, global_batch)
+    total_steps = o.epochs * steps_per_epoch
+    wd_end = o.weight_decay if o.weight_decay_end is None else o.weight_decay_end
+    return Schedules(peak_lr=peak_lr,
+                     lr=cosine_schedule(peak_lr, o.min_lr, total_steps, int(o.warmup_epochs * steps_per_epoch)),
+                     weight_decay=cosine_schedule(o.weight_decay, wd_end, total_steps))
+
+
+def divergence_advice(cfg: DictConfig) -> str:
+    """What to try when a run of the `optim.*` recipe diverged."""
+    o = cfg.optim
+    return (f"Try a lower optim.lr (now {o.lr}), gradient clipping (optim.grad_clip=1.0, now {o.grad_clip}) or a "
+            f"longer warm-up (optim.warmup_epochs, now {o.warmup_epochs}).")

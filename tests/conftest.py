@@ -1,7 +1,40 @@
+"""Shared fixtures and helpers of the suite.
+
+- `digits` / `digits_dml`: the embedded digits written once per session, as `python -m pretrain.data
+  write-digits [--split-classes]` writes them; read-only (tests write their runs under tmp_path).
+- `free_port`: a free TCP port for a test's own process group.
+- `wait_for(condition, process, ...)`: poll until a condition holds while a started run is still running.
+
+Markers (registered in pyproject.toml): `slow` (whole runs through the command line, multi-process runs,
+anything over about 5 s) and `slurm` (starts a real Slurm cluster: tests/slurm_cluster.py).
+`make test-fast` runs `pytest -m "not slow and not slurm"`; `make test` runs everything.
+"""
 import os
 import socket
+import time
+from pathlib import Path
 
 import pytest
+
+
+def write_digits_with_the_cli(out_dir: Path, *args: str) -> Path:
+    """OUT_DIR with the digits written by `python -m pretrain.data write-digits --out-dir OUT_DIR ARGS`."""
+    from pretrain.data.__main__ import main
+
+    assert main(["write-digits", "--out-dir", str(out_dir), *args]) == 0
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory) -> Path:
+    """The digits' folder: train.beton and val.beton (stratified 80/20, seed 0), written once per session."""
+    return write_digits_with_the_cli(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture(scope="session")
+def digits_dml(tmp_path_factory) -> Path:
+    """The digits' DML split: train.beton (every image of the digits 0-4) and test.beton (5-9), once per session."""
+    return write_digits_with_the_cli(tmp_path_factory.mktemp("digits_dml"), "--split-classes")
 
 
 @pytest.fixture
@@ -10,6 +43,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(condition, process, what: str = "the awaited condition", timeout: float = 240,
+             interval: float = 0.05) -> None:
+    """Poll `condition()` every `interval` s until it holds. Fails (AssertionError) at once when `process` (a
+    tests.forked_runs.ForkedRun or a subprocess.Popen) ends first, with the end of its stderr, and after
+    `timeout` s."""
+    deadline = time.time() + timeout
+    while not condition():
+        if process.poll() is not None:
+            stderr = process.stderr if isinstance(process.stderr, str) else \
+                process.stderr.read().decode() if process.stderr is not None else ""
+            raise AssertionError(f"the run ended with {process.poll()} while waiting for {what}: {stderr[-3000:]}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
 
 
 # tests/gpu needs CUDA: `make gpu-check` runs it (HARDVIEW_GPU_TESTS=1); `make test` leaves it out.

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # `python -m NAME` -> the module whose main(argv) it runs
@@ -41,7 +40,7 @@ def context():
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(["pretrain.engine", "pretrain.__main__", "pretrain.data.ffcv_loader",
-                                         "eval.__main__", "pretrain.methods.simclr"])
+                                         "eval.__main__", "pretrain.methods.simclr", "transfer.finetune_stage"])
     return _context
 
 
@@ -130,11 +129,3 @@ def run(module: str, argv: list, expect: int | None = 0, timeout: float = 300, e
     if expect is not None:
         assert process.returncode == expect, process.stderr[-3000:]
     return process
-
-
-def wait_for(condition, process: ForkedRun | subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert process.poll() is None, f"the run ended ({process.poll()}) before the awaited condition"
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)

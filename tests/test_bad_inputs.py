@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 
 from pretrain.__main__ import main
-from pretrain.data.digits import write_digits
 
 ROOT = Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("digits")
-    write_digits(out)
-    return out
 
 
 def refused(capsys, argv: list[str], *expected: str) -> str:

@@ -127,18 +127,16 @@ def test_config_checks_the_design(tmp_path):
         load_config(config, ["data.batch_design.name=p_random", "data.batch_design.positive_fraction=0"])
 
 
-def test_the_ffcv_loader_reads_the_designs_batches_with_their_labels(tmp_path):
+def test_the_ffcv_loader_reads_the_designs_batches_with_their_labels(digits_dml):
     """Through the real loader (FFCV, digits): labels follow the design (class-major (m, n)-groups; pairs that
     repeat images), the batch indices are the design's, and a design that does not fit the data is refused
     in one line (DatasetError)."""
-    from pretrain.data.digits import write_digits
     from pretrain.data.loader import build_view_loader
 
-    write_digits(tmp_path, split_classes=True)
-    train = tmp_path / "train.beton"
+    train = digits_dml / "train.beton"
     labels = dataset_labels(train)
     assert len(labels) == 901 and set(labels.tolist()) == {0, 1, 2, 3, 4}
-    assert set(dataset_labels(tmp_path / "test.beton").tolist()) == {5, 6, 7, 8, 9}
+    assert set(dataset_labels(digits_dml / "test.beton").tolist()) == {5, 6, 7, 8, 9}
     group = [ViewGroup(count=1, size=8)]
     loader = build_view_loader(train, group, 16, num_workers=1, batch_design=BatchDesign("group", images_per_class=4))
     expected = loader.epoch_indices(0, start_batch=2)

@@ -3,7 +3,11 @@ numbers are measured by running them, never asserted here)."""
 import json
 from pathlib import Path
 
+import pytest
+
 from tests import forked_runs
+
+pytestmark = pytest.mark.slow          # every benchmark command, tiny
 
 ROOT = Path(__file__).parents[1]
 

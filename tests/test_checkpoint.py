@@ -1,12 +1,13 @@
 """BatchNorm statistics are averaged across processes before a checkpoint (DeepSpeed never syncs buffers)."""
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from pretrain.checkpoint import average_buffers
+from pretrain.distributed import average_buffers
 
 
 def _worker(rank: int, port: int, queue) -> None:
@@ -23,6 +24,7 @@ def _worker(rank: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_average_buffers_across_two_processes(free_port):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -14,8 +14,8 @@ import torch
 from pretrain.data.digits import digits_images, digits_split
 from pretrain.models import create_backbone
 from transfer.__main__ import main
-from transfer.detection import (OnePixelConv2d, ResNetC5BoxHead, coco_box_metrics, detection_backbone, learning_rates,
-                                load_detection_config)
+from transfer.detection import coco_box_metrics, detection_backbone, learning_rates, load_detection_config
+from transfer.detector import OnePixelConv2d, ResNetC5BoxHead
 from transfer.digit_scenes import (DigitScenesError, render_moved_digit, render_scene, scene_generator, split_glyphs,
                                    write_digit_scenes, write_moved_digits)
 from eval.features import load_backbone_export
@@ -251,8 +251,8 @@ def test_tiny_detection_run_writes_cocoeval_results_and_tensorboard(tmp_path, ti
             "eval.batch_size=8"]
     assert main(["detection", "--run", str(run_dir), *tiny]) == 0
     assert main(["detection", "--run", str(run_dir), "--from", "random", *tiny, "train.max_iters=2"]) == 0
-    out = capsys.readouterr().out
-    assert "iter     3/3" in out and "Average Precision  (AP) @[ IoU=0.50:0.95" in out
+    captured = capsys.readouterr()
+    assert "step 3/3" in captured.err and "Average Precision  (AP) @[ IoU=0.50:0.95" in captured.out
     scalars = read_scalars(run_dir / "tb")
     for init, tag, iterations in (("export", "eval/detection_", 3), ("random", "eval/detection_random_", 2)):
         result = json.loads((run_dir / "eval" / f"detection_{init}_step0000042.json").read_text())

@@ -281,7 +281,10 @@ def two_process_worker(out_dir: Path) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from pretrain.engine import deepspeed_config, init_distributed, train_step
+    from pretrain.data.views import ViewBatch
+    from pretrain.distributed import init_distributed
+    from pretrain.loop import LoopOptions, deepspeed_config, train_step
+    from pretrain.task import BatchPosition
 
     rank, world, _ = init_distributed()
     results = {}
@@ -294,7 +297,7 @@ def two_process_worker(out_dir: Path) -> None:
         method = build_method(cfg, steps_per_epoch=2)
         optimizer = build_optimizer(cfg, method.param_groups(), 0.01)
         engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
-                                                       config=deepspeed_config(cfg))
+                                                       config=deepspeed_config(LoopOptions.from_config(cfg)))
         student = [*method.backbone.parameters(), *method.head.parameters()]
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
             student_before = [p.detach().float().clone() for p in student]
@@ -303,8 +306,8 @@ def two_process_worker(out_dir: Path) -> None:
         g = torch.Generator().manual_seed(100 + rank)                    # each rank its own batch
         views = random_views(4, generator=g)
         set_schedule_values(optimizer, 0.01, 0.04, 0.01, 0)
-        train_step(engine, method, views, random_boxes(views, g), torch.zeros(4, dtype=torch.long), cfg.hvs,
-                   random.Random(0), bf16=bf16)
+        train_step(engine, method, ViewBatch(views, random_boxes(views, g), torch.zeros(4, dtype=torch.long),
+                                             torch.arange(4)), BatchPosition(0, 0, 0, 0), bf16=bf16)
         method.after_step(engine.global_steps)
         m = float(method.momentum_schedule[0])
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
@@ -351,6 +354,7 @@ def two_process_results(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["stage0", "stage0_bf16", "stage2_bf16", "stage3_bf16"])
 def test_teacher_is_the_ema_of_the_student_after_a_deepspeed_step(two_process_results, run):
     """teacher = m * teacher + (1 - m) * master after a real step, the masters gathered in fp32: with bf16 a
@@ -365,6 +369,7 @@ def test_teacher_is_the_ema_of_the_student_after_a_deepspeed_step(two_process_re
         assert r["teacher_rank_spread"] == 0.0                                 # the same teacher on both ranks
 
 
+@pytest.mark.slow
 def test_centre_is_all_reduced_over_the_processes(two_process_results):
     for rank in two_process_results:
         assert rank["center_error"] < 1e-6
@@ -372,15 +377,6 @@ def test_centre_is_all_reduced_over_the_processes(two_process_results):
 
 
 # ==== a whole run: selection, logging, export of the teacher, resume ====
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from pretrain.data.digits import write_digits
-
-    out = tmp_path_factory.mktemp("digits")
-    write_digits(out)
-    return out
-
 
 def pretrain(run_dir: Path, digits: Path, *overrides: str):
     """`python -m pretrain ...` (forked from a server that imported torch: tests/forked_runs.py)."""
@@ -397,6 +393,7 @@ def saved_state(run_dir: Path, step: int) -> dict:
     return torch.load(run_dir / f"checkpoints/step{step:08d}/mp_rank_00_model_states.pt", weights_only=False)
 
 
+@pytest.mark.slow
 def test_run_with_hard_view_selection_exports_the_teacher_and_resumes_it(digits, tmp_path):
     run_dir = tmp_path / "run"
     pretrain(run_dir, digits, "engine.max_steps=3")
@@ -411,8 +408,8 @@ def test_run_with_hard_view_selection_exports_the_teacher_and_resumes_it(digits,
     # backbone.pth is the teacher's backbone of the last checkpoint, not the student's.
     export = torch.load(run_dir / "backbone.pth", weights_only=True)
     state = saved_state(run_dir, 3)
-    teacher, student = state["method"]["teacher"], state["module"]
-    assert export["step"] == 3 and state["method"]["steps_done"] == 3
+    teacher, student = state["task"]["teacher"], state["module"]
+    assert export["step"] == 3 and state["task"]["steps_done"] == 3
     for name, tensor in export["state_dict"].items():
         assert torch.equal(tensor, teacher[f"backbone.{name}"]), name
     assert not torch.equal(export["state_dict"]["conv1.weight"], student["backbone.conv1.weight"])
@@ -424,8 +421,8 @@ def test_run_with_hard_view_selection_exports_the_teacher_and_resumes_it(digits,
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
     m = lines[3]["dino/teacher_momentum"]
     step4 = saved_state(run_dir, 4)
-    assert step4["method"]["steps_done"] == 4
-    for name, value in step4["method"]["teacher"].items():
+    assert step4["task"]["steps_done"] == 4
+    for name, value in step4["task"]["teacher"].items():
         if "running" in name or "num_batches" in name:          # BatchNorm statistics: the teacher's own
             continue
         expected = m * teacher[name] + (1 - m) * step4["module"][name].float()

@@ -6,13 +6,12 @@
   exactly the step of a plain-torch reference: the mean gradient of the two micro-batches, clipped to the
   global norm, times the lr; the selection forward ran at 8 px and the training forward at 16 px.
 
-Run as a script (`python tests/test_engine_step.py OUT_DIR`), this file is the worker: one process, its own
+Run as a module (`python -m tests.test_engine_step OUT_DIR`), this file is the worker: one process, its own
 process group, results in OUT_DIR/results.json.
 """
 import copy
 import json
 import math
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -21,33 +20,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).parents[1]
-CONFIGS = ROOT / "configs/pretrain"
-METHOD_CONFIGS = ["simclr_digits.yaml", "simsiam_digits.yaml", "dino_digits.yaml", "tcl_digits.yaml",
-                  "supcon_digits.yaml", "contrastive_balance_digits.yaml", "smoco_digits.yaml"]
-TINY = ["model.proj_hidden_dim=32", "model.proj_out_dim=16", "data.batch_size=6", "hvs.enabled=true",
-        "hvs.max_candidates=8", "optim.lr=0.05"]
+from tests.engine_helpers import CONFIGS, METHOD_CONFIGS, ROOT, TINY, engine_for, views_and_boxes
 
-
-def views_and_boxes(cfg, generator: torch.Generator):
-    from pretrain.config import views_to_draw
-
-    groups = views_to_draw(cfg)
-    batch = cfg.data.batch_size
-    views = [torch.randn(batch, g.count, 3, g.size, g.size, generator=generator) for g in groups]
-    boxes = [torch.rand(batch, g.count, 4, generator=generator).sort(dim=-1).values[..., [0, 2, 1, 3]] for g in groups]
-    return views, boxes, torch.arange(batch) % 3
-
-
-def engine_for(cfg, method):
-    import deepspeed
-
-    from pretrain.engine import deepspeed_config
-    from pretrain.optim import build_optimizer
-
-    optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
-    engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer, config=deepspeed_config(cfg))
-    return engine, optimizer
+pytestmark = pytest.mark.slow          # one worker process: DeepSpeed steps of every method under every ZeRO stage
 
 
 def bf16_runs_for_every_method_and_stage() -> dict:
@@ -56,9 +31,11 @@ def bf16_runs_for_every_method_and_stage() -> dict:
     import deepspeed
 
     from pretrain.config import load_config
-    from pretrain.engine import train_step
+    from pretrain.data.views import ViewBatch
+    from pretrain.loop import train_step
     from pretrain.methods import build_method
     from pretrain.optim import set_schedule_values
+    from pretrain.task import BatchPosition
 
     results = {}
     for config in METHOD_CONFIGS:
@@ -84,8 +61,9 @@ def bf16_runs_for_every_method_and_stage() -> dict:
                         views = [v[:, :count] for v, count in zip(views, method.train_counts)]
                         boxes = [b[:, :count] for b, count in zip(boxes, method.train_counts)]
                     set_schedule_values(optimizer, 0.001, 0.0, 0.001, step)
-                    loss, _ = train_step(engine, method, views, boxes, labels, OmegaConf.create(hvs),
-                                         random.Random(step), bf16=precision == "bf16")
+                    method.hvs = OmegaConf.create(hvs)
+                    loss = train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
+                                      BatchPosition(step, 0, 0, 0), bf16=precision == "bf16").loss
                     method.after_step(engine.global_steps)
                     step_losses.append(loss.item())
                 losses[precision] = step_losses
@@ -110,10 +88,12 @@ def zero3_accumulation_clipping_low_resolution_selection() -> dict:
     import deepspeed
 
     from pretrain.config import load_config
-    from pretrain.engine import train_step
+    from pretrain.data.views import ViewBatch
     from pretrain.hvs import select_hard_views
+    from pretrain.loop import train_step
     from pretrain.methods import build_method
     from pretrain.optim import set_schedule_values
+    from pretrain.task import BatchPosition
 
     clip, lr = 0.05, 0.5
     cfg = load_config(CONFIGS / "simsiam_digits.yaml", [
@@ -130,12 +110,14 @@ def zero3_accumulation_clipping_low_resolution_selection() -> dict:
     micro_batches = [views_and_boxes(cfg, generator) for _ in range(2)]
     for views, boxes, labels in micro_batches:
         set_schedule_values(optimizer, lr, 0.0, lr, 0)
-        train_step(engine, method, views, boxes, labels, cfg.hvs, random.Random(0))
+        train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
+                   BatchPosition(0, 0, 0, 0))
 
     # The reference: the same selection and loss in plain torch, the mean gradient, clipped, one SGD step.
     for views, boxes, labels in micro_batches:
         selection = select_hard_views(reference, reference, views, boxes, labels, reference.train_counts,
-                                      selection_size=8, max_candidates=cfg.hvs.max_candidates, rng=random.Random(0))
+                                      selection_size=8, max_candidates=cfg.hvs.max_candidates,
+                                      rng=BatchPosition(0, 0, 0, 0).rng())
         outputs = reference(selection.views)
         (reference.loss({k: v.float() for k, v in outputs.items()}, labels) / 2).backward()
     gradients = [p.grad for p in reference.parameters()]
@@ -155,20 +137,66 @@ def zero3_accumulation_clipping_low_resolution_selection() -> dict:
     }
 
 
+def clipping_as_configured() -> dict:
+    """One plain SGD step per (ZeRO stage, optim.grad_clip) against the hand-computed step: with grad_clip=0 the
+    whole gradient, whatever its norm (DeepSpeed 0.19.8 clips at 1.0 when its config has no gradient_clipping
+    key), with grad_clip=0.5 the gradient scaled to norm 0.5."""
+    from pretrain.config import load_config
+    from pretrain.data.views import ViewBatch
+    from pretrain.loop import train_step
+    from pretrain.methods import build_method
+    from pretrain.optim import set_schedule_values
+    from pretrain.task import BatchPosition
+
+    lr, results = 0.1, {}
+    for stage in (0, 2):
+        for clip in (0.0, 0.5):
+            cfg = load_config(CONFIGS / "simclr_digits.yaml", [
+                *TINY, "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=sgd", "optim.momentum=0",
+                "optim.weight_decay=0", f"optim.grad_clip={clip}", "method.temperature=0.05"])
+            torch.manual_seed(0)
+            method = build_method(cfg).train()
+            reference = copy.deepcopy(method)
+            engine, optimizer = engine_for(cfg, method)
+            engine.train()
+            views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(3))
+            set_schedule_values(optimizer, lr, 0.0, lr, 0)
+            train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
+                       BatchPosition(0, 0, 0, 0))
+
+            outputs = reference(views)
+            reference.loss({k: v.float() for k, v in outputs.items()}, labels).backward()
+            gradients = [p.grad for p in reference.parameters()]
+            norm = math.sqrt(sum(float(g.pow(2).sum()) for g in gradients))
+            scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            with torch.no_grad():
+                expected = [p - lr * scale * g for p, g in zip(reference.parameters(), gradients)]
+                at_one = [p - lr * min(1.0, 1.0 / (norm + 1e-6)) * g for p, g in zip(reference.parameters(), gradients)]
+                trained = [p.detach().clone() for p in method.parameters()]
+            results[f"stage{stage}/clip{clip}"] = {
+                "gradient_norm": norm,
+                "error": max((a - b).abs().max().item() for a, b in zip(trained, expected)),
+                "error_vs_clipped_at_1": max((a - b).abs().max().item() for a, b in zip(trained, at_one)),
+                "step_size": max((a - p).abs().max().item() for a, p in zip(expected, reference.parameters()))}
+            del engine, optimizer
+    return results
+
+
 def worker(out_dir: Path) -> None:
-    from pretrain.engine import init_distributed
+    from pretrain.distributed import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)
     results = {"bf16": bf16_runs_for_every_method_and_stage(),
-               "zero3": zero3_accumulation_clipping_low_resolution_selection()}
+               "zero3": zero3_accumulation_clipping_low_resolution_selection(),
+               "clipping": clipping_as_configured()}
     (out_dir / "results.json").write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("engine_step")
-    finished = subprocess.run([sys.executable, str(Path(__file__)), str(out)], cwd=ROOT, capture_output=True,
+    finished = subprocess.run([sys.executable, "-m", "tests.test_engine_step", str(out)], cwd=ROOT, capture_output=True,
                               text=True, timeout=600, check=False)
     assert finished.returncode == 0, finished.stderr[-4000:]
     return json.loads((out / "results.json").read_text())
@@ -193,6 +221,18 @@ def test_zero3_accumulated_clipped_step_equals_the_hand_computed_one(results):
     assert r["gradient_norm"] > 0.05 * 10                      # clipping had to act: the norm is 10x the bound
     assert r["error_vs_clipped"] < 1e-3 * r["step_size"]       # the engine took the clipped mean-gradient step
     assert r["error_vs_unclipped"] > 10 * r["error_vs_clipped"] + 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_grad_clip_0_applies_the_whole_gradient_and_0_5_clips_to_0_5(results, stage):
+    """DeepSpeed clips at 1.0 unless its config says 0: a step with optim.grad_clip=0 and a gradient norm well
+    above 1 must take the unclipped SGD step, and one with optim.grad_clip=0.5 the step clipped to 0.5."""
+    unclipped, clipped = results["clipping"][f"stage{stage}/clip0.0"], results["clipping"][f"stage{stage}/clip0.5"]
+    assert unclipped["gradient_norm"] > 3                                  # a clip at 1.0 would have acted
+    assert unclipped["error"] < 1e-3 * unclipped["step_size"]
+    assert unclipped["error_vs_clipped_at_1"] > 100 * unclipped["error"] + 1e-6
+    assert clipped["gradient_norm"] > 3
+    assert clipped["error"] < 1e-3 * clipped["step_size"]
 
 
 if __name__ == "__main__":

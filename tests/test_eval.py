@@ -14,6 +14,7 @@ from eval.features import EvaluationInputError, extract_features, load_backbone_
 from eval.knn import weighted_knn
 from eval.linear import cosine_learning_rate, train_linear_probe
 from pretrain.models import create_backbone
+from tests.eval_helpers import RESNET18_SMALL, read_scalars, write_export
 
 # ============ weighted k-NN ============
 
@@ -131,20 +132,6 @@ def test_extract_features_refuses_a_loader_that_drops_images():
 
 # ============ checkpoint checks ============
 
-RESNET18_SMALL = create_backbone("resnet18", "small_stride2")
-
-
-def write_export(path: Path, state_dict: dict, arch: str = "resnet18", stem: str = "small_stride2",
-                 train: str | Path = "train.beton", val: str | Path = "val.beton", step: int = 120) -> Path:
-    config = {"data": {"train": str(train), "val": str(val), "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
-                       "views": [{"count": 2, "size": 32}], "num_workers": 0},
-              "model": {"arch": arch, "stem": stem}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"arch": arch, "stem": stem, "state_dict": state_dict, "config": config, "epoch": 3, "step": step},
-               path)
-    return path
-
-
 def test_missing_checkpoint_is_refused_without_traceback(tmp_path, capsys):
     assert main(["knn", "--run", str(tmp_path)]) == 2
     error = capsys.readouterr().err
@@ -216,15 +203,6 @@ def test_file_that_is_not_an_export_is_refused(tmp_path):
 
 
 # ============ command line on in-memory data ============
-
-
-def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(tb_dir))
-    accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
 
 
 def planted_image_dataset(count: int, seed: int, side: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,20 +299,11 @@ def run_module(*args: str):
     return forked_runs.run(args[0], list(args[1:]), expect=None)
 
 
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory) -> Path:
-    """The digits written once per test module with `python -m pretrain.data write-digits`."""
-    out_dir = tmp_path_factory.mktemp("digits")
-    written = run_module("pretrain.data", "write-digits", "--out-dir", str(out_dir))
-    assert written.returncode == 0, written.stderr
-    return out_dir
-
-
-def test_raw_pixel_knn_on_digits_through_the_image_loader(digits_dir):
+def test_raw_pixel_knn_on_digits_through_the_image_loader(digits):
     from pretrain.data.loader import build_image_loader
 
     def features(split):
-        loader = build_image_loader(digits_dir / f"{split}.beton", 32, 256, device="cpu", mean=[0.5] * 3,
+        loader = build_image_loader(digits / f"{split}.beton", 32, 256, device="cpu", mean=[0.5] * 3,
                                     std=[0.25] * 3, num_workers=1)
         return extract_features(lambda images: images.flatten(1), loader, "cpu")
 
@@ -345,10 +314,11 @@ def test_raw_pixel_knn_on_digits_through_the_image_loader(digits_dir):
     assert accuracy[20] > 0.9                                   # about 97% (ENVIRONMENT.md)
 
 
-def test_cli_knn_end_to_end_on_digits(digits_dir, tmp_path):
+@pytest.mark.slow
+def test_cli_knn_end_to_end_on_digits(digits, tmp_path):
     run = tmp_path / "run"
-    write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=digits_dir / "train.beton",
-                 val=digits_dir / "val.beton", step=40)
+    write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=digits / "train.beton",
+                 val=digits / "val.beton", step=40)
     finished = run_module("eval", "knn", "--run", str(run), "--device", "cpu", "--num-workers", "1")
     assert finished.returncode == 0, finished.stderr
     assert "weighted k-NN" in finished.stdout and "top-1" in finished.stdout
@@ -362,7 +332,7 @@ def test_cli_knn_end_to_end_on_digits(digits_dir, tmp_path):
     from pretrain.data.loader import build_image_loader
 
     def features(split):
-        loader = build_image_loader(digits_dir / f"{split}.beton", 32, 256, mean=[0.5] * 3, std=[0.25] * 3,
+        loader = build_image_loader(digits / f"{split}.beton", 32, 256, mean=[0.5] * 3, std=[0.25] * 3,
                                     num_workers=1, crop_fraction=0.875)
         return extract_features(RESNET18_SMALL.eval(), loader, "cpu")
 

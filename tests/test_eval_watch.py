@@ -3,29 +3,22 @@ watcher killed mid-evaluation and restarted adds no duplicate and leaves no gap;
 never read; an export deleted before it was evaluated is listed as skipped."""
 import json
 import signal
-import time
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pretrain.data.digits import write_digits
 from tests import forked_runs
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.slow          # a whole pretraining run watched by `eval watch`
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
 
 
-def wait_for(condition, process: forked_runs.ForkedRun, what: str, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert process.poll() is None, f"exited with {process.returncode} while waiting for {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(tmp_path):
-    digits, run_dir = tmp_path / "digits", tmp_path / "run"
-    write_digits(digits)
+def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(digits, tmp_path):
+    run_dir = tmp_path / "run"
     # `python -m pretrain` / `python -m eval watch`, forked from a server that imported torch (tests/forked_runs.py)
     pretraining = forked_runs.start("pretrain", [
         "--config", CONFIG, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
@@ -37,7 +30,7 @@ def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(tm
     (run_dir / "exports" / ".backbone_step00000012.pth.tmp").write_bytes(b"half a file")
     watch = ["watch", "--run", run_dir, "--protocols", "knn,linear", "--poll-seconds", "0.5", "--num-workers", "1"]
     first = forked_runs.start("eval", watch)
-    wait_for(lambda: "evaluating step 6: linear" in first.stdout, first, "the linear probe of step 6")
+    wait_for(lambda: "evaluating step 6: linear" in first.stdout, first, "the linear probe of step 6", timeout=180)
     first.send_signal(signal.SIGKILL)                         # mid-evaluation: step 6's linear is not recorded
     first.wait(30)
     assert (run_dir / "eval/knn_step0000006.json").is_file()

@@ -17,20 +17,13 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.config import load_config
-from pretrain.data.digits import write_digits
 from pretrain.models import create_backbone
-from tests.test_pretrain_run import kill_process_tree, logged, run, start, wait_for
+from tests.conftest import wait_for
+from tests.run_helpers import kill_process_tree, logged, run, start
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/transfer/finetune_digits.yaml"
 EXPORT_STEP = 42
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("digits")
-    write_digits(out)
-    return out
 
 
 def write_export(run_dir: Path, digits: Path, seed: int = 1) -> Path:
@@ -61,6 +54,7 @@ def hand_computed_lr(step: int) -> float:
     return 0.5 * peak * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
+@pytest.mark.slow
 def test_killed_then_stopped_run_resumes_at_the_right_step(digits, tmp_path):
     """SIGKILL after the first checkpoint (a crash), SIGTERM during the resumed run (a scheduler's stop: the step
     finishes, a checkpoint is saved, exit 128 + 15), then the same command completes the run: every step is
@@ -111,6 +105,12 @@ def test_killed_then_stopped_run_resumes_at_the_right_step(digits, tmp_path):
     scalars = EventAccumulator(str(run_dir / "tb")).Reload()
     top1 = scalars.Scalars("eval/finetune_10pct_export_top1")
     assert [(e.step, e.value) for e in top1] == [(EXPORT_STEP, pytest.approx(result["top1"]))]
+
+    # The finished run with another recipe: refused by name, nothing trained or rewritten (it used to resume the
+    # finished run, train nothing and report its accuracy under the new settings).
+    other = run(finetune_command(run_dir, *common, "optim.lr=0.4"), expect=2)
+    assert "optim.lr=0.2 -> 0.4" in other.stderr and len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert json.loads((run_dir / f"eval/finetune_10pct_export_step{EXPORT_STEP:07d}.json").read_text()) == result
 
 
 def test_label_fraction_subset_is_class_balanced_and_seeded(tmp_path):
@@ -188,17 +188,17 @@ def test_layer_decay_gives_the_promised_lr_ratios():
 
 def layer_decayed_step_errors() -> dict[str, float]:
     """Worker (a process of its own, with its own process group): per ZeRO stage, the largest difference between
-    the update of one real fine-tuning step (DeepSpeed engine, layer-decay groups, `train_step`) and the
+    the update of one real fine-tuning step (DeepSpeed engine with the loop's config, layer-decay groups) and the
     hand-computed one, lr x layer_decay ** depth x the plain-torch gradient, over every parameter."""
     import copy
 
     import deepspeed
     import torch.nn.functional as F
 
-    from pretrain.engine import init_distributed
+    from pretrain.distributed import init_distributed
+    from pretrain.loop import LoopOptions, deepspeed_config
     from pretrain.optim import build_optimizer, set_schedule_values
     from transfer.classifier import Classifier, layer_decay_param_groups
-    from transfer.finetune import finetune_deepspeed_config, train_step
     from transfer.finetune_config import load_finetune_config
 
     init_distributed()
@@ -212,10 +212,11 @@ def layer_decayed_step_errors() -> dict[str, float]:
         reference = copy.deepcopy(model)
         optimizer = build_optimizer(cfg, layer_decay_param_groups(model, cfg.optim.layer_decay), 0.1)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                       config=finetune_deepspeed_config(cfg))
+                                                       config=deepspeed_config(LoopOptions.from_config(cfg)))
         set_schedule_values(optimizer, 0.1, 0.0, 0.1, 0)
         images, labels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.arange(4)
-        train_step(engine, images, labels, F.cross_entropy, bf16=False)
+        engine.backward(F.cross_entropy(engine(images), labels))
+        engine.step()
         F.cross_entropy(reference(images), labels).backward()
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             stepped = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
@@ -232,6 +233,7 @@ def write_layer_decayed_step_errors(path: str) -> None:
     Path(path).write_text(json.dumps(layer_decayed_step_errors()))
 
 
+@pytest.mark.slow
 def test_a_real_step_under_zero_0_2_3_takes_the_layer_decayed_sgd_step(tmp_path):
     """Through DeepSpeed, not just the optimizer's groups; also catches DeepSpeed's default clipping at norm 1.0
     (the gradient norm here is about 100), which optim.grad_clip=0 must turn off. The worker runs in a process
@@ -268,7 +270,7 @@ def test_from_random_starts_from_random_weights_and_the_default_from_the_export(
 
 
 def test_top1_and_top5_equal_a_brute_force_count():
-    from transfer.finetune import evaluate
+    from transfer.finetune_stage import evaluate
 
     generator = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(6, 8)

@@ -1,4 +1,5 @@
-"""`python -m launch` against a real Slurm scheduler, started on this machine by the tests (tests/slurm_cluster.py):
+"""`python -m launch` against a real Slurm scheduler, started on this machine by the tests (tests/slurm_cluster.py,
+which first installs slurm-wlm and munge with apt-get where they are missing):
 
 - a 2-process pretraining job hits its time limit, saves a checkpoint of the step it was taking, requeues
   itself and resumes at exactly that step; `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) makes it
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.data.digits import write_digits
 from tests import forked_runs
+from tests.run_helpers import hand_computed_lr
 from tests.slurm_cluster import SlurmCluster
-from tests.test_pretrain_run import hand_computed_lr
+
+pytestmark = pytest.mark.slurm         # starts a real Slurm cluster on this machine (tests/slurm_cluster.py)
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
@@ -32,13 +34,6 @@ SLURM = ["--cluster", "slurm", "--cpus-per-task", "1"]
 def cluster(tmp_path_factory):
     with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits")
-    write_digits(out)
-    return out
 
 
 def launch(*args: str, timeout: int = 180):
@@ -76,7 +71,8 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
 
-def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step(cluster, digits, tmp_path):
+def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step_on_a_real_slurm_cluster(
+        cluster, digits, tmp_path):
     run_dir = tmp_path / "run"
     stop = 150
     result = launch("pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
@@ -118,7 +114,7 @@ def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step(c
     print(f"time-limit requeue: stopped after step {saved}; training again {times[saved + 1] - times[saved]:.1f} s later")
 
 
-def test_a_sweep_is_one_job_array_and_status_reads_every_run(cluster, digits, tmp_path):
+def test_a_sweep_is_one_job_array_and_status_reads_every_run_on_a_real_slurm_cluster(cluster, digits, tmp_path):
     sweep_dir = tmp_path / "sweep"
     result = launch("pretrain", "--config", str(CONFIG), *TINY, *data(digits), "name=tiny", "engine.max_steps=3",
                     *SLURM, "--time", "10", "--sweep", "optim.lr=0.1,0.2", "--sweep-dir", str(sweep_dir))
@@ -136,7 +132,7 @@ def test_a_sweep_is_one_job_array_and_status_reads_every_run(cluster, digits, tm
         assert f"pretrain {job}" in row and "3 (done)" in row and "COMPLETED" in row
 
 
-def test_pipeline_evaluates_only_after_pretraining_succeeded(cluster, digits, tmp_path):
+def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(cluster, digits, tmp_path):
     run_dir = tmp_path / "run"
     result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
                     "engine.max_steps=4", "engine.checkpoint_every_steps=2", "--watch-protocols", "knn",

@@ -58,6 +58,7 @@ def _gathered_worker(rank, port, z_a, z_b, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_nt_xent_gathered_negatives_equal_one_big_batch(free_port):
     """Two processes with gathered negatives compute exactly the single-process loss of the whole batch,
     and the gradient reaching each process's own embeddings is that of the whole-batch loss."""

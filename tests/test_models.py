@@ -1,9 +1,11 @@
 """The backbone factory: the bf16 path on the CPU gives sound gradients where oneDNN's does not."""
+import pytest
 import torch
 
 from pretrain.models import StridedConv2d, create_backbone
 
 
+@pytest.mark.slow
 def test_bf16_gradients_of_single_pixel_strided_convolutions_are_sound_on_the_cpu():
     # 8 px views through the stride-2 stem reach layer4's stride-2 3x3 convolution at 1 x 1. Only the centre tap
     # of its kernel sees the pixel, so the other taps' gradient is exactly 0; oneDNN's bf16 weight gradient puts

@@ -16,20 +16,12 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.config import load_config
-from pretrain.data.digits import write_digits
-from tests import forked_runs
+from tests.conftest import wait_for
+from tests.run_helpers import ROOT, hand_computed_lr, kill_process_tree, logged, run, start
 
-ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
 TINY = ["data.batch_size=32", "data.num_workers=1", "model.proj_hidden_dim=64", "model.proj_out_dim=32",
         "engine.log_every_steps=1", "engine.image_grid_every_steps=2"]
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits")
-    write_digits(out)
-    return out
 
 
 def pretrain_command(run_dir: Path, digits: Path, *overrides: str, processes: int = 1, config: Path = CONFIG,
@@ -40,67 +32,12 @@ def pretrain_command(run_dir: Path, digits: Path, *overrides: str, processes: in
                        f"data.val={digits / 'val.beton'}", *(TINY if tiny else []), *overrides]
 
 
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants at once, as a node failure or `scancel` would (torchrun's
-    workers run in sessions of their own, so killing the launcher's group alone leaves them running)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        tree.append(current)
-        frontier += children.get(current, [])
-    for member in tree:
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def run(command: list[str], timeout: int = 300, expect: int = 0, env: dict | None = None):
-    """Run `command` to completion as a user would; a `python -m pretrain|eval ...` of this project runs in a
-    process forked from a server that has already imported torch (a second, not 12, to start)."""
-    project = forked_runs.project_command(command)
-    if project is not None:
-        return forked_runs.run(*project, expect=expect, timeout=timeout, env=env)
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, **(env or {})})
-    assert result.returncode == expect, result.stderr[-3000:]
-    return result
-
-
-def start(command: list[str]):
-    """Start `command` without waiting (forked, as `run`, when it is a single-process project command)."""
-    project = forked_runs.project_command(command)
-    if project is not None:
-        return forked_runs.start(*project)
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def logged(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def wait_for(condition, process, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        if process.poll() is not None:
-            stderr = process.stderr if isinstance(process, forked_runs.ForkedRun) else process.stderr.read().decode()
-            raise AssertionError(f"the run ended with {process.poll()}: {stderr[-3000:]}")
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def logged_steps(run_dir: Path) -> int:
     metrics = run_dir / "metrics.jsonl"
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
+@pytest.mark.slow
 def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_log_line(digits, tmp_path):
     # A stale build lock of DeepSpeed's CPU shared-memory op (a first start killed while building it) must
     # not hang the run: that op is never built.
@@ -157,6 +94,7 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 6
 
 
+@pytest.mark.slow
 def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_path):
     """Four short epochs of SimCLR, evaluated by the k-NN command, against the same encoder at its random
     initialisation (the run's own seed) on the same images and preprocessing."""
@@ -185,6 +123,7 @@ def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_
     assert pretrained > baseline + 0.01, (pretrained, baseline)
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_the_uninterrupted_one_across_an_epoch_with_a_remainder(digits, tmp_path):
     """44 batches per epoch, 3 micro-batches per optimizer step: 14 steps per epoch, 2 batches left over. A run
     killed mid-way and resumed must take the same steps as an uninterrupted one: same losses, same lrs, same
@@ -218,15 +157,7 @@ def test_resumed_run_equals_the_uninterrupted_one_across_an_epoch_with_a_remaind
     assert (trainer_state["epoch"], trainer_state["batch_in_epoch"]) == (1, 3)   # whole steps, epoch 1
 
 
-def hand_computed_lr(step: int) -> float:
-    """simclr_digits: lr 0.3 per 256 images, 2 processes x 32 = 64 -> 0.075; 1437 // 2 // 32 = 22 steps per
-    epoch, 15 epochs = 330 steps; warm-up 0.5 epochs = 11 steps, linear from 0; then half a cosine to 0."""
-    peak, warmup, total = 0.3 * 64 / 256, 11, 330
-    if step < warmup:
-        return peak * step / warmup
-    return 0.5 * peak * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
-
-
+@pytest.mark.slow
 def test_two_processes_zero2_bf16_killed_then_resumed_at_the_right_step(digits, tmp_path):
     run_dir = tmp_path / "run"
     common = ("engine.zero_stage=2", "engine.checkpoint_every_steps=2", "optim.warmup_epochs=0.5",
@@ -270,6 +201,7 @@ def test_two_processes_zero2_bf16_killed_then_resumed_at_the_right_step(digits, 
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == stop
 
 
+@pytest.mark.slow
 def test_divergence_stops_at_the_step_and_keeps_the_last_finite_checkpoint(digits, tmp_path):
     run_dir = tmp_path / "run"
     diverging = ("optim.lr=1e20", "optim.warmup_epochs=0", "engine.checkpoint_every_steps=1",
@@ -293,6 +225,7 @@ def test_divergence_stops_at_the_step_and_keeps_the_last_finite_checkpoint(digit
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000001"]
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_a_checkpoint_and_the_run_resumes(digits, tmp_path):
     run_dir = tmp_path / "run"
     common = ("engine.checkpoint_every_steps=0", "engine.image_grid_every_steps=0")   # only epoch ends: 44 steps
@@ -352,6 +285,7 @@ def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warnin
     assert "time-limit or preemption warning" in result.stderr and "exiting now" not in result.stderr
 
 
+@pytest.mark.slow
 def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(digits, tmp_path):
     run_dir = tmp_path / "run"
     # No checkpoint before the end of epoch 0, which at 2 images per batch is 718 steps away.
@@ -375,6 +309,7 @@ def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(di
     assert not (run_dir / "run.lock").exists()                      # released at the end
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_keeps_the_last_complete_one_and_the_run_resumes(digits, tmp_path):
     """A real full disk: the run directory on a 170 MB tmpfs, mounted in a private mount namespace (nothing
     leaks out of the test). A checkpoint here is 86 MB and the export 43 MB: the first checkpoint fits, the

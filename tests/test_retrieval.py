@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eval.retrieval import clustering_nmi, retrieval_metrics, retrieval_per_query
-from tests.test_eval import RESNET18_SMALL, read_scalars, write_export
+from tests.eval_helpers import RESNET18_SMALL, read_scalars, write_export
 
 
 def brute_force_per_query(features, labels, ks=(1, 2, 4, 8)):
@@ -137,6 +137,7 @@ def write_small_set(path: Path, labels: list[int], seed: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_cli_retrieval_with_split_classes_writes_json_and_tensorboard(tmp_path, capsys, monkeypatch):
     """`python -m eval retrieval --split-classes` on a random-init ResNet-18: only the images of classes 5-9
     of the validation data are evaluated, and the JSON and TensorBoard hold their metrics, recomputed here

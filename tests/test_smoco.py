@@ -9,7 +9,6 @@ two-process tests.
 """
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +156,10 @@ def two_process_worker(out_dir: Path) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from pretrain.engine import deepspeed_config, init_distributed, train_step
+    from pretrain.data.views import ViewBatch
+    from pretrain.distributed import init_distributed
+    from pretrain.loop import LoopOptions, deepspeed_config, train_step
+    from pretrain.task import BatchPosition
     from pretrain.optim import build_optimizer, set_schedule_values
 
     rank, world, _ = init_distributed()
@@ -171,7 +173,7 @@ def two_process_worker(out_dir: Path) -> None:
         torch.manual_seed(0)
         method = build_method(cfg)
         engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=build_optimizer(
-            cfg, method.param_groups(), 0.01), config=deepspeed_config(cfg))
+            cfg, method.param_groups(), 0.01), config=deepspeed_config(LoopOptions.from_config(cfg)))
         student = [*method.backbone.parameters(), *method.projector.parameters()]
         keys_before = [p.clone() for p in [*method.key_encoder["backbone"].parameters(),
                                            *method.key_encoder["projector"].parameters()]]
@@ -181,8 +183,8 @@ def two_process_worker(out_dir: Path) -> None:
         views = random_views(4, generator=g)
         labels = torch.tensor([0, 1, 2, 3]) + 10 * rank
         set_schedule_values(optimizer, 0.01, 0.0, 0.01, 0)
-        train_step(engine, method, views, [torch.rand(4, 2, 4, generator=g)], labels, cfg.hvs, random.Random(0),
-                   bf16=precision == "bf16")
+        train_step(engine, method, ViewBatch(views, [torch.rand(4, 2, 4, generator=g)], labels, torch.arange(4)),
+                   BatchPosition(0, 0, 0, 0), bf16=precision == "bf16")
         method.after_step(engine.global_steps)
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
             student_after = [p.detach().float().clone() for p in student]
@@ -232,6 +234,7 @@ def two_process_results(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["stage0_m0.9", "stage2_m0.9", "stage3_m0.9", "stage3_m0.0", "stage2_m0.9_bf16"])
 def test_key_encoder_is_the_ema_of_the_student_and_the_queue_holds_both_processes_keys(two_process_results, run):
     for rank in two_process_results:
@@ -243,6 +246,7 @@ def test_key_encoder_is_the_ema_of_the_student_and_the_queue_holds_both_processe
         assert r["scalars"]["smoco/hard_negatives_per_query"] >= 0
 
 
+@pytest.mark.slow
 def test_weighted_contrastive_gathers_negatives_into_the_one_process_loss(two_process_results):
     for rank in two_process_results:
         assert rank["weighted_gathered"] == pytest.approx(rank["weighted_one_process"], rel=1e-5)
@@ -250,15 +254,6 @@ def test_weighted_contrastive_gathers_negatives_into_the_one_process_loss(two_pr
 
 
 # ==== a whole run: selection, logging, queue and key encoder saved and resumed ====
-
-@pytest.fixture(scope="module")
-def digits_dml(tmp_path_factory):
-    from pretrain.data.digits import write_digits
-
-    out = tmp_path_factory.mktemp("digits_dml")
-    write_digits(out, split_classes=True)
-    return out
-
 
 def pretrain(run_dir: Path, data: Path, *overrides: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "pretrain", "--config", str(CONFIG), f"run_dir={run_dir}",
@@ -275,10 +270,11 @@ def saved_state(run_dir: Path, step: int) -> dict:
     return torch.load(run_dir / f"checkpoints/step{step:08d}/mp_rank_00_model_states.pt", weights_only=False)
 
 
+@pytest.mark.slow
 def test_run_with_selection_saves_and_resumes_the_queue_and_the_key_encoder(digits_dml, tmp_path):
     run_dir = tmp_path / "run"
     pretrain(run_dir, digits_dml, "engine.max_steps=2")
-    state = saved_state(run_dir, 2)["method"]
+    state = saved_state(run_dir, 2)["task"]
     assert state["queue_filled"] == 16 and state["queue_next"] == 16 and state["steps_done"] == 2
     labels = state["queue_labels"][:16]
     assert ((0 <= labels) & (labels <= 4)).all()                      # training classes 0-4 only
@@ -290,7 +286,7 @@ def test_run_with_selection_saves_and_resumes_the_queue_and_the_key_encoder(digi
     second = pretrain(run_dir, digits_dml, "engine.max_steps=3")
     assert f"resumed {run_dir} at step 2" in second.stdout
     step3 = saved_state(run_dir, 3)
-    queue = step3["method"]
+    queue = step3["task"]
     assert queue["queue_filled"] == 20 and queue["queue_next"] == 4           # 24 keys into 20 slots, FIFO
     assert torch.equal(queue["queue"][4:16], state["queue"][4:16])           # the resumed keys kept their slots
     assert torch.equal(queue["queue_labels"][4:16], state["queue_labels"][4:16])

@@ -14,7 +14,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError, load_config
-from pretrain.data.digits import write_digits
 from pretrain.hvs import select_hard_views
 from pretrain.losses.supcon import (
     _supcon_per_anchor,
@@ -238,6 +237,7 @@ def _gathered_worker(rank, port, z, labels, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gathered_negatives_equal_one_big_batch(free_port):
     """Two processes with gathered negatives compute the single-process losses of the whole batch, labels
     gathered too, and the gradient reaching each process's embeddings is that of the whole-batch loss."""
@@ -301,19 +301,13 @@ def test_supervised_method_refuses_unknown_labels():
 
 # ---- whole runs ----
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits")
-    write_digits(out)
-    return out
-
-
 # grad_pos is a mean of |X_ip - P_ip + Y_ip| (TCL eq. 17; SupCon: |X_ip - P_ip|, Lemma 1) with X_ip = 1/|P(i)|,
 # 0 <= P_ip <= 1 and 0 <= Y_ip = t k1 exp(-z_i.z_p) / D <= t, because D >= k1 exp(-z_i.z_p) (eq. 10). So it is
 # at most 1/|P(i)| + t for TCL (|P(i)| = 2 for self-supervised triplets, >= 1 with labels) and 1 for SupCon.
 GRAD_POS_BOUND = {"tcl_digits.yaml": 1 / 2 + 0.1, "tcl_supervised_digits.yaml": 1 + 0.1, "supcon_digits.yaml": 1.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, overrides", [
     ("tcl_digits.yaml", ["hvs.enabled=true"]),                          # self-supervised, 5 views -> 10 triplets
     ("tcl_supervised_digits.yaml", []),

@@ -92,6 +92,7 @@ def test_write_digits_skips_existing_files_unless_forced(tmp_path):
     assert [r.written for r in write_digits(tmp_path)] == [-1, -1]
 
 
+@pytest.mark.slow
 def test_cli_reports_a_missing_folder_and_has_help(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pretrain.data", "write", "--image-folder", str(tmp_path / "nope"),
                           "--out", str(tmp_path / "x.beton")], cwd=REPO_ROOT, capture_output=True, text=True)
@@ -123,6 +124,7 @@ def folder_with_a_huge_photo(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_huge_photo_is_stored_at_the_default_max_side_and_nothing_hangs(folder_with_a_huge_photo, tmp_path):
     """A 6000 x 4000 JPEG is larger than FFCV's default page: written as it was, an FFCV worker died and the
     writer waited forever. The default now stores it at 512 px; `--max-side 0` keeps it, in larger pages."""
@@ -146,6 +148,7 @@ def test_a_huge_photo_is_stored_at_the_default_max_side_and_nothing_hangs(folder
     build_ffcv_loader(tmp_path / "bounded.beton", 32, 256, 1, drop_last=True)      # the bounded one is fine
 
 
+@pytest.mark.slow
 def test_a_killed_write_leaves_the_previous_beton_untouched(tmp_path):
     from ffcv.reader import Reader
 

@@ -15,7 +15,7 @@ COMMANDS: dict[str, str] = {
     "finetune": "transfer.finetune",
     "digit-scenes": "transfer.digit_scenes",
     "detection": "transfer.detection",
-    "detectron2": "transfer.detectron2",
+    "detectron2": "transfer.detectron2_cli",
 }
 
 

@@ -2,8 +2,9 @@
 
     python -m transfer detection --run RUN_DIR [--config FILE] [key=value ...] [--from export|random]
 
-The detector is torchvision's Faster R-CNN in the R50-C4 layout that MoCo's detection protocol uses, built on
-the pretraining run's backbone export (RUN_DIR/backbone.pth, loaded as `python -m eval` loads it):
+The detector (transfer/detector.py) is torchvision's Faster R-CNN in the R50-C4 layout that MoCo's detection
+protocol uses, built on the pretraining run's backbone export (RUN_DIR/backbone.pth, loaded as `python -m eval`
+loads it):
 - backbone: the ResNet's stem and layer1-layer3 (stride 8 with the small_stride2 stem, 16 with the ImageNet
   stem), one feature map, on which the RPN proposes boxes from `model.anchor_sizes` x `model.aspect_ratios`;
 - box head: RoIAlign of each proposal to `model.roi_output_size` px on that map, then the ResNet's layer4 and
@@ -20,9 +21,13 @@ Data: the digit scenes of `transfer.digit_scenes` under `data.root`, written the
 and normalised inside the detector with the export's `data.mean` / `data.std`, at their own size (no
 resizing). No augmentation: a flipped digit is not a digit.
 
-Training is a plain torch loop in one process, on the CPU or one GPU (`--device auto` takes CUDA when there
-is one): SGD with momentum, linear warm-up then cosine decay of the learning rate, fixed-size batches in a
-seeded random order. Evaluation runs the detector on the val scenes and scores its detections with
+Training runs through the training loop of every stage (pretrain/loop.py), on the CPU or one GPU per process
+(`--device auto` takes CUDA when there is one): SGD with momentum, linear warm-up then cosine decay of the
+learning rate, fixed-size batches in a seeded random order, fp32. The detector's run directory,
+RUN_DIR/detection/detection_{export|random}_stepNNNNNNN/, holds its checkpoints (one, at the last epoch end),
+config.yaml, metrics.jsonl and TensorBoard curves: a killed or stopped run (SIGINT / SIGTERM / SIGUSR2 save a
+checkpoint, exit 128 + N) resumes by rerunning the same command; a finished one is evaluated again without
+training. Evaluation runs the detector on the val scenes and scores its detections with
 pycocotools' COCOeval (bbox): mAP is the COCO AP averaged over IoU thresholds 0.50:0.05:0.95 with the
 101-point interpolated precision, AP50 the same at IoU 0.5 alone.
 
@@ -74,8 +79,9 @@ import contextlib
 import io
 import json
 import math
-import sys
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,8 +94,16 @@ from torch import nn
 
 from eval.features import (BackboneExport, EvaluationInputError, load_backbone_export, resolve_checkpoint_path,
                            resolve_device)
+from eval.results import result_path, write_result
+from pretrain.atomic_write import write_text_atomically
+from pretrain.checkpoint import check_resumable
 from pretrain.config import ConfigError, merge_checked, parse_overrides, read_config_file, schema_keys
-from pretrain.models import StridedConv2d, create_backbone
+from pretrain.distributed import average_buffers
+from pretrain.loop import LoopOptions, Stage, run_training
+from pretrain.models import create_backbone
+from pretrain.optim import Schedules, cosine_schedule
+from pretrain.task import BatchLoss, BatchPosition, TrainingTask
+from transfer.detector import build_detector
 from transfer.digit_scenes import DigitScenesError, write_digit_scenes
 
 DEFAULT_CONFIG = "configs/transfer/detection_digit_scenes.yaml"
@@ -201,112 +215,7 @@ def default_config_path() -> Path:
     return local if local.is_file() else REPOSITORY_ROOT / DEFAULT_CONFIG
 
 
-# ============ the detector ============
-
-
-def freeze_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every BatchNorm2d under `module` by torchvision's FrozenBatchNorm2d with its statistics and affine."""
-    from torchvision.ops import FrozenBatchNorm2d
-
-    if isinstance(module, nn.BatchNorm2d):
-        frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
-        with torch.no_grad():
-            frozen.weight.copy_(module.weight)
-            frozen.bias.copy_(module.bias)
-            frozen.running_mean.copy_(module.running_mean)
-            frozen.running_var.copy_(module.running_var)
-        return frozen
-    for name, child in module.named_children():
-        setattr(module, name, freeze_batchnorm(child))
-    return module
-
-
-class ResNetTrunk(nn.Module):
-    """The stem and layer1-layer3 of a timm ResNet: the feature map the RPN and RoIAlign read (C4)."""
-
-    def __init__(self, resnet: nn.Module):
-        super().__init__()
-        self.stem = nn.Sequential(resnet.conv1, resnet.bn1, resnet.act1, resnet.maxpool)
-        self.layer1, self.layer2, self.layer3 = resnet.layer1, resnet.layer2, resnet.layer3
-        self.out_channels = next(info["num_chs"] for info in resnet.feature_info if info["module"] == "layer3")
-
-    def stages(self) -> list[nn.Module]:
-        return [self.stem, self.layer1, self.layer2, self.layer3]
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.layer3(self.layer2(self.layer1(self.stem(images))))
-
-
-class OnePixelConv2d(StridedConv2d):
-    """nn.Conv2d that computes a convolution with a 1 x 1 output as one matrix product over the kernel taps
-    that overlap the input (the other taps only ever see zero padding): the same numbers, far faster.
-
-    With `model.roi_output_size=2` the C4 box head runs layer4 on hundreds of 2 x 2 RoIs per batch, so every
-    convolution there has a 1 x 1 output. oneDNN (torch 2.13, CPU) computes each as a full padded
-    convolution, and its backward is 5-10x slower than its forward: it was more than half of a training
-    iteration. Any other convolution (a larger output, groups, dilation, other padding modes) goes to
-    nn.Conv2d (through StridedConv2d, whose guard for CPU bf16 stays in place).
-    """
-
-    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.groups == 1 and self.padding_mode == "zeros" and self.dilation == (1, 1) \
-                and not isinstance(self.padding, str):
-            (height, width), (kernel_h, kernel_w) = input.shape[-2:], self.kernel_size
-            (pad_h, pad_w), (stride_h, stride_w) = self.padding, self.stride
-            one_pixel = ((height + 2 * pad_h - kernel_h) // stride_h + 1,
-                         (width + 2 * pad_w - kernel_w) // stride_w + 1) == (1, 1)
-            # the output pixel sees padded rows 0..kernel_h-1: input rows 0..rows-1 meet taps pad_h..pad_h+rows-1
-            rows, cols = min(height, kernel_h - pad_h), min(width, kernel_w - pad_w)
-            if one_pixel and rows > 0 and cols > 0:
-                window = input[:, :, :rows, :cols].flatten(1)
-                taps = weight[:, :, pad_h:pad_h + rows, pad_w:pad_w + cols].flatten(1)
-                return nn.functional.linear(window, taps, bias)[:, :, None, None]
-        return super()._conv_forward(input, weight, bias)
-
-
-class ResNetC5BoxHead(nn.Module):
-    """layer4 of the ResNet on each RoI, then global average pooling: the box head of R50-C4."""
-
-    def __init__(self, resnet: nn.Module):
-        super().__init__()
-        self.layer4 = resnet.layer4
-        for module in self.layer4.modules():
-            if isinstance(module, nn.Conv2d):
-                module.__class__ = OnePixelConv2d          # same parameters and state_dict; see its docstring
-        self.out_channels = int(resnet.num_features)
-
-    def forward(self, rois: torch.Tensor) -> torch.Tensor:
-        return self.layer4(rois).mean(dim=(2, 3))
-
-
-def build_detector(resnet: nn.Module, cfg: DictConfig, num_classes: int, image_size: int,
-                   mean: list[float], std: list[float]) -> nn.Module:
-    """Faster R-CNN (C4) on `resnet`; `num_classes` counts the object classes (background is added)."""
-    from torchvision.models.detection import FasterRCNN
-    from torchvision.models.detection.anchor_utils import AnchorGenerator
-    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
-    from torchvision.ops import MultiScaleRoIAlign
-
-    m = cfg.model
-    trunk, box_head = ResNetTrunk(resnet), ResNetC5BoxHead(resnet)
-    for stage in trunk.stages()[:m.frozen_stages]:
-        freeze_batchnorm(stage)
-        stage.requires_grad_(False)
-    if m.norm == "frozen":
-        freeze_batchnorm(trunk)
-        freeze_batchnorm(box_head)
-    anchors = AnchorGenerator(sizes=(tuple(int(s) for s in m.anchor_sizes),),
-                              aspect_ratios=(tuple(float(r) for r in m.aspect_ratios),))
-    roi_align = MultiScaleRoIAlign(featmap_names=["0"], output_size=m.roi_output_size, sampling_ratio=2)
-    return FasterRCNN(
-        trunk, min_size=image_size, max_size=image_size, image_mean=list(mean), image_std=list(std),
-        rpn_anchor_generator=anchors, rpn_batch_size_per_image=m.rpn_batch_size_per_image,
-        rpn_pre_nms_top_n_train=m.rpn_pre_nms_top_n_train, rpn_post_nms_top_n_train=m.rpn_post_nms_top_n_train,
-        rpn_pre_nms_top_n_test=m.rpn_pre_nms_top_n_test, rpn_post_nms_top_n_test=m.rpn_post_nms_top_n_test,
-        box_roi_pool=roi_align, box_head=box_head,
-        box_predictor=FastRCNNPredictor(box_head.out_channels, num_classes + 1),
-        box_batch_size_per_image=m.box_batch_size_per_image, box_score_thresh=m.box_score_thresh,
-        box_detections_per_img=m.box_detections_per_img)
+# ============ the backbone ============
 
 
 def detection_backbone(export: BackboneExport, init: str, seed: int) -> nn.Module:
@@ -389,17 +298,12 @@ def prepare_scenes(cfg: DictConfig) -> dict[str, Path]:
                                   "match the set)") from None
 
 
-# ============ training ============
+# ============ training: a stage of the training loop ============
 
 
 def learning_rates(cfg: DictConfig, total_iters: int) -> np.ndarray:
-    """The lr of every iteration: linear warm-up from 0.1% of train.lr, then a cosine to 0."""
-    t = cfg.train
-    iters = np.arange(total_iters, dtype=np.float64)
-    warmup = max(min(t.warmup_iters, total_iters), 0)
-    cosine = 0.5 * t.lr * (1 + np.cos(np.pi * (iters - warmup) / max(total_iters - warmup, 1)))
-    ramp = t.lr * (0.001 + (1 - 0.001) * iters / max(warmup, 1))
-    return np.where(iters < warmup, ramp, cosine)
+    """The lr of every iteration: linear warm-up from 0.1% of train.lr over train.warmup_iters, then a cosine to 0."""
+    return cosine_schedule(cfg.train.lr, 0.0, total_iters, cfg.train.warmup_iters, warmup_start=0.001 * cfg.train.lr)
 
 
 def batch_of(split: SceneSplit, indices: torch.Tensor, device: torch.device) -> tuple[list, list]:
@@ -408,48 +312,161 @@ def batch_of(split: SceneSplit, indices: torch.Tensor, device: torch.device) -> 
     return images, targets
 
 
-def train_detector(model: nn.Module, train: SceneSplit, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
-    """Train `model` on `train`; returns the iterations run and the mean loss of the last `print_every`."""
-    t = cfg.train
-    per_epoch = max(len(train.image_ids) // t.batch_size, 1)
-    total = per_epoch * t.epochs
-    stop = min(total, t.max_iters) if t.max_iters else total
-    lrs = learning_rates(cfg, total)
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(parameters, lr=float(lrs[0]), momentum=t.momentum, weight_decay=t.weight_decay)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    model.train()
-    started, recent = time.perf_counter(), []
-    order = torch.empty(0, dtype=torch.long)
-    for iteration in range(stop):
-        if iteration % per_epoch == 0:
-            order = torch.randperm(len(train.image_ids), generator=generator)
-        position = (iteration % per_epoch) * t.batch_size
-        images, targets = batch_of(train, order[position:position + t.batch_size], device)
-        for group in optimizer.param_groups:
-            group["lr"] = float(lrs[iteration])
-        losses = model(images, targets)
-        loss = sum(losses.values())
-        if not torch.isfinite(loss):
-            parts = ", ".join(f"{name} {value.item():.4g}" for name, value in losses.items())
-            raise FloatingPointError(f"the detection loss is not finite at iteration {iteration + 1} ({parts}); "
-                                     f"lower train.lr={t.lr} or set train.grad_clip (e.g. 10)")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(parameters, t.grad_clip)
-        optimizer.step()
-        recent = (recent + [{name: value.item() for name, value in losses.items()}])[-t.print_every:]
-        if (iteration + 1) % t.print_every == 0 or iteration + 1 == stop:
-            elapsed = time.perf_counter() - started
-            means = {name: sum(r[name] for r in recent) / len(recent) for name in recent[-1]}
-            parts = "  ".join(f"{name.removeprefix('loss_')} {value:.3f}" for name, value in means.items())
-            print(f"  iter {iteration + 1:5d}/{stop}  epoch {iteration // per_epoch + 1}  lr {lrs[iteration]:.4f}  "
-                  f"loss {sum(means.values()):.3f} ({parts})  {elapsed:.0f} s, "
-                  f"{elapsed / (iteration + 1) * (stop - iteration - 1):.0f} s left", flush=True)
-    final = {name: sum(r[name] for r in recent) / len(recent) for name in recent[-1]} if recent else {}
-    return {"iterations": stop, "iterations_per_epoch": per_epoch, "final_losses": final}
+@dataclass
+class SceneBatch:
+    images: list[torch.Tensor]                # (3, H, W) in [0, 1]
+    targets: list[dict[str, torch.Tensor]]
 
+    @property
+    def batch_size(self) -> int:
+        return len(self.images)
+
+
+class SceneLoader:
+    """The training scenes in a seeded random order, a new permutation every epoch: epoch e's is the (e+1)-th draw
+    of one generator seeded with `seed`, so a resumed run reads what the uninterrupted one read. Each rank takes its
+    share of every global batch of batch_size x world_size scenes; an epoch holds len(split) // that many batches
+    (at least one, a partial one when the set is smaller than a batch)."""
+
+    def __init__(self, split: SceneSplit, batch_size: int, seed: int, rank: int, world_size: int,
+                 device: torch.device):
+        self.split, self.batch_size, self.seed = split, batch_size, seed
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.num_images = len(split.image_ids)
+        if world_size > 1 and self.num_images < batch_size * world_size:
+            raise ConfigError(f"{self.num_images} training scenes do not fill one batch of train.batch_size="
+                              f"{batch_size} on each of {world_size} processes: lower train.batch_size")
+
+    def __len__(self) -> int:
+        return max(self.num_images // (self.batch_size * self.world_size), 1)
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[SceneBatch]:
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(epoch + 1):
+            order = torch.randperm(self.num_images, generator=generator)
+        for batch in range(start_batch, len(self)):
+            start = (batch * self.world_size + self.rank) * self.batch_size
+            yield SceneBatch(*batch_of(self.split, order[start:start + self.batch_size], self.device))
+
+
+class DetectionTask(TrainingTask):
+    """The detector as the training loop's task: images + boxes -> the detector's losses (RPN objectness and box
+    regression, box-head classification and regression), summed."""
+
+    def __init__(self, detector: nn.Module, print_every: int):
+        super().__init__()
+        self.detector = detector
+        self.recent: deque[dict[str, float]] = deque(maxlen=print_every)   # the last losses, for the result
+
+    def forward(self, images: list[torch.Tensor], targets: list[dict] | None = None):
+        return self.detector(images, targets)
+
+    def batch_loss(self, engine, batch: SceneBatch, position: BatchPosition, autocast) -> BatchLoss:
+        with autocast():
+            losses = engine(batch.images, batch.targets)
+        parts = {name: value.item() for name, value in losses.items()}
+        self.recent.append(parts)
+        return BatchLoss(sum(losses.values()), {f"train/{name}": value for name, value in parts.items()})
+
+    def final_losses(self) -> dict[str, float]:
+        """The mean of each loss over the last train.print_every iterations."""
+        return {name: sum(r[name] for r in self.recent) / len(self.recent) for name in self.recent[-1]} \
+            if self.recent else {}
+
+
+# What a resumed detection run must share with the run in its directory (train.max_iters and print_every may change).
+RESUME_KEYS = ("seed", "data", "model", "train.epochs", "train.batch_size", "train.lr", "train.momentum",
+               "train.weight_decay", "train.warmup_iters", "train.grad_clip")
+
+
+@dataclass
+class DetectionInputs:
+    """What a detection run reads, resolved and checked before it starts."""
+
+    export: BackboneExport
+    run_dir: Path                # the pretraining run: results go to RUN_DIR/eval and RUN_DIR/tb
+    init: str                    # export | random
+    device: str                  # auto | cpu
+    mean: list[float]
+    std: list[float]
+    paths: dict[str, Path]
+    train: SceneSplit
+    val: SceneSplit
+
+    @property
+    def training_dir(self) -> Path:
+        """RUN_DIR/detection/detection_{init}_stepNNNNNNN: the detector's checkpoints, logs and config."""
+        return self.run_dir / "detection" / f"detection_{self.init}_step{self.export.step:07d}"
+
+
+class DetectionTraining(Stage):
+    """The detector's training run: Faster R-CNN (C4) on the export, SGD with the warm-up + cosine lr."""
+
+    name = "detection"
+
+    def __init__(self, cfg: DictConfig, inputs: DetectionInputs):
+        self.cfg, self.inputs = cfg, inputs
+        self.run_dir = inputs.training_dir
+        t = cfg.train
+        # One process (or one per GPU under a launcher), fp32, ZeRO 0; a checkpoint at every epoch end.
+        self.options = LoopOptions(epochs=t.epochs, batch_size=t.batch_size, grad_clip=t.grad_clip, seed=cfg.seed,
+                                   precision="fp32", max_steps=t.max_iters, log_every_steps=t.print_every,
+                                   print_every_steps=t.print_every, keep_checkpoints=1, device=inputs.device)
+        self.started = time.perf_counter()
+
+    def check_resumable(self) -> None:
+        check_resumable(self.run_dir / "config.yaml", self.cfg, RESUME_KEYS)
+
+    def divergence_advice(self) -> str:
+        return f"Lower train.lr (now {self.cfg.train.lr}) or set train.grad_clip (e.g. 10)."
+
+    def build_loader(self, rank: int, world_size: int, device: torch.device) -> SceneLoader:
+        return SceneLoader(self.inputs.train, self.cfg.train.batch_size, self.cfg.seed, rank, world_size, device)
+
+    def build_task(self, steps_per_epoch: int, device: torch.device) -> DetectionTask:
+        i = self.inputs
+        resnet = detection_backbone(i.export, i.init, self.cfg.seed)
+        torch.manual_seed(self.cfg.seed)              # the RPN and the box predictor start from this seed
+        detector = build_detector(resnet, self.cfg, i.train.num_classes, int(i.train.images.shape[-1]), i.mean, i.std)
+        return DetectionTask(detector.to(device), self.cfg.train.print_every)
+
+    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
+        total = steps_per_epoch * self.cfg.train.epochs
+        return Schedules(peak_lr=self.cfg.train.lr, lr=learning_rates(self.cfg, total),
+                         weight_decay=np.full(total, self.cfg.train.weight_decay))
+
+    def build_optimizer(self, task: DetectionTask, peak_lr: float) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        return torch.optim.SGD(task.param_groups(), lr=peak_lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+    def record(self, task: DetectionTask, steps_per_epoch: int, rank: int) -> None:
+        self.steps_per_epoch = steps_per_epoch
+        if rank == 0:
+            write_text_atomically(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.cfg, resolve=True))
+
+    def finish(self, engine, task: DetectionTask, step: int, epoch: int, rank: int) -> Path | None:
+        """Evaluate the trained detector on the val scenes (rank 0) and write the result."""
+        i = self.inputs
+        train_seconds = time.perf_counter() - self.started
+        average_buffers(task)
+        if rank != 0:
+            return None
+        device = next(task.parameters()).device
+        detections = predict(task.detector, i.val, self.cfg.eval.batch_size, device)
+        metrics, summary = coco_box_metrics(i.val.json_path, detections)
+        seconds = time.perf_counter() - self.started
+        details = {"train": str(i.paths["train_json"]), "val": str(i.paths["val_json"]),
+                   "num_train": len(i.train.image_ids), "num_val": len(i.val.image_ids),
+                   "num_detections": len(detections), "device": str(device), "training_dir": str(self.run_dir),
+                   "train_seconds": round(train_seconds, 1), "seconds": round(seconds, 1), "iterations": step,
+                   "iterations_per_epoch": self.steps_per_epoch, "final_losses": task.final_losses(),
+                   "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        path = write_detection_result(i, metrics, detections, details)
+        print(summary, end="")
+        print(f"detection from {i.init}: mAP {100 * metrics['map']:.2f}  AP50 {100 * metrics['ap50']:.2f}  "
+              f"({step} iterations, {train_seconds:.0f} s training, {seconds:.0f} s in all)")
+        print(f"results: {path}")
+        return path
 
 # ============ evaluation ============
 
@@ -503,30 +520,21 @@ def coco_box_metrics(ground_truth: str | Path, detections: list[dict]) -> tuple[
 # ============ outputs ============
 
 
-def write_results(run_dir: Path, export: BackboneExport, init: str, metrics: dict[str, float],
-                  detections: list[dict], details: dict[str, Any]) -> Path:
-    """RUN_DIR/eval/detection_{init}_stepNNNNNNN.json, its detections file, and TensorBoard scalars."""
-    from torch.utils.tensorboard import SummaryWriter   # slow import; only pay for it here
-
-    stem = f"detection_{init}_step{export.step:07d}"
-    path = run_dir / "eval" / f"{stem}.json"
-    detections_path = path.with_name(f"{stem}_detections.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    detections_path.write_text(json.dumps(detections))
+def write_detection_result(inputs: DetectionInputs, metrics: dict[str, float], detections: list[dict],
+                           details: dict[str, Any]) -> Path:
+    """RUN_DIR/eval/detection_{init}_stepNNNNNNN.json, its detections file (..._detections.json) and TensorBoard
+    scalars, through eval's one result writer."""
+    export, init = inputs.export, inputs.init
+    name = f"detection_{init}"
     result = {"protocol": "detection", "from": init, "step": export.step, "epoch": export.epoch,
               "checkpoint": str(export.path), "arch": export.arch, "stem": export.stem,
               "map": metrics["map"], "ap50": metrics["ap50"], "coco_stats": metrics,
               "metric": "pycocotools COCOeval bbox: map = AP@[0.50:0.95], 101-point interpolated; ap50 = AP@0.50",
-              "detections": str(detections_path), **details}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)
+              "detections": str(result_path(inputs.run_dir, name, export.step, "_detections.json")), **details}
     prefix = "eval/detection_" if init == "export" else "eval/detection_random_"
-    writer = SummaryWriter(log_dir=str(run_dir / "tb"))
-    writer.add_scalar(prefix + "map", metrics["map"], global_step=export.step)
-    writer.add_scalar(prefix + "ap50", metrics["ap50"], global_step=export.step)
-    writer.close()
-    return path
+    return write_result(inputs.run_dir, name, export.step, result,
+                        {prefix + "map": metrics["map"], prefix + "ap50": metrics["ap50"]},
+                        {"_detections.json": json.dumps(detections)})
 
 
 # ============ command line ============
@@ -534,66 +542,59 @@ def write_results(run_dir: Path, export: BackboneExport, init: str, metrics: dic
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", dest="run_dir", required=True, metavar="RUN_DIR",   # not `run`: __main__ sets args.run
-                        help="pretraining run directory: reads RUN_DIR/backbone.pth, writes RUN_DIR/eval and RUN_DIR/tb")
+                        help="pretraining run directory: reads RUN_DIR/backbone.pth, trains in "
+                             "RUN_DIR/detection/detection_{export|random}_stepNNNNNNN (checkpoints: rerun to resume), "
+                             "writes RUN_DIR/eval and RUN_DIR/tb")
     parser.add_argument("--config", metavar="FILE",
                         help=f"detection config YAML (default: {DEFAULT_CONFIG}; keys in this command's docstring)")
     parser.add_argument("--from", dest="init", choices=("export", "random"), default="export",
                         help="initialise the detector's ResNet from the export, or at random with the same "
                              "architecture (the baseline) (default: %(default)s)")
-    parser.add_argument("--device", default="auto",
-                        help="auto (CUDA when available), cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto (CUDA when available), cpu or cuda; under a launcher each process takes the GPU "
+                             "of its LOCAL_RANK (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. train.epochs=2 data.root=/tmp/scenes model.norm=frozen")
 
 
-def run_detection(args: argparse.Namespace) -> Path:
-    """Train and evaluate the detector as `args` say; returns the result JSON written."""
-    started = time.perf_counter()
+def resolve_detection_inputs(args: argparse.Namespace, cfg: DictConfig) -> DetectionInputs:
+    """The export, the normalisation and the scenes (written first when absent); raises DetectionInputError,
+    EvaluationInputError or ConfigError (one line, what to do) for inputs that cannot work."""
     run_dir = Path(args.run_dir)
     checkpoint = resolve_checkpoint_path(run_dir, None)
-    cfg = load_detection_config(args.config or default_config_path(), args.overrides)
-    device = resolve_device(args.device)
+    resolve_device(args.device)                                  # refuses cuda without a GPU
     export = load_backbone_export(checkpoint)
     data = export.config.get("data", {})
     mean, std = data.get("mean"), data.get("std")
     if mean is None or std is None:
         raise DetectionInputError(f"the config in {checkpoint} has no data.mean / data.std to normalise images with; "
                                   "re-export the backbone from a run with a complete config")
-    resnet = detection_backbone(export, args.init, cfg.seed)
+    detection_backbone(export, "export", cfg.seed)               # refuses a backbone that is not a ResNet
     paths = prepare_scenes(cfg)
     train, val = (load_split(paths[f"{split}_json"], paths[f"{split}_images"]) for split in ("train", "val"))
-    image_size = int(train.images.shape[-1])
-    torch.manual_seed(cfg.seed)              # the RPN and the box predictor start from this seed
-    model = build_detector(resnet, cfg, train.num_classes, image_size, mean, std).to(device)
-    print(f"detection on digit scenes: Faster R-CNN (C4) on {export.arch} (stem {export.stem}) from "
-          f"{'the export of step ' + str(export.step) if args.init == 'export' else 'random initialisation'}, "
-          f"{len(train.image_ids)} train / {len(val.image_ids)} val scenes of {image_size} px, {device}", flush=True)
-    train_started = time.perf_counter()
-    training = train_detector(model, train, cfg, device)
-    train_seconds = time.perf_counter() - train_started
-    detections = predict(model, val, cfg.eval.batch_size, device)
-    metrics, summary = coco_box_metrics(val.json_path, detections)
-    seconds = time.perf_counter() - started
-    details = {"train": str(paths["train_json"]), "val": str(paths["val_json"]), "num_train": len(train.image_ids),
-               "num_val": len(val.image_ids), "num_detections": len(detections), "device": str(device),
-               "train_seconds": round(train_seconds, 1), "seconds": round(seconds, 1), **training,
-               "config": OmegaConf.to_container(cfg, resolve=True)}
-    path = write_results(run_dir, export, args.init, metrics, detections, details)
-    print(summary, end="")
-    print(f"detection from {args.init}: mAP {100 * metrics['map']:.2f}  AP50 {100 * metrics['ap50']:.2f}  "
-          f"({training['iterations']} iterations, {train_seconds:.0f} s training, {seconds:.0f} s in all)")
-    print(f"results: {path}")
-    return path
+    return DetectionInputs(export=export, run_dir=run_dir, init=args.init,
+                           device="cpu" if args.device == "cpu" else "auto", mean=list(mean), std=list(std),
+                           paths=paths, train=train, val=val)
+
+
+def run_detection(args: argparse.Namespace) -> Path:
+    """Train (or resume) and evaluate the detector as `args` say; returns the result JSON written."""
+    cfg = load_detection_config(args.config or default_config_path(), args.overrides)
+    inputs = resolve_detection_inputs(args, cfg)
+    print(f"detection on digit scenes: Faster R-CNN (C4) on {inputs.export.arch} (stem {inputs.export.stem}) from "
+          f"{'the export of step ' + str(inputs.export.step) if args.init == 'export' else 'random initialisation'}, "
+          f"{len(inputs.train.image_ids)} train / {len(inputs.val.image_ids)} val scenes of "
+          f"{int(inputs.train.images.shape[-1])} px; training in {inputs.training_dir}", flush=True)
+    return run_training(DetectionTraining(cfg, inputs))
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        run_detection(args)
-    except (EvaluationInputError, DetectionInputError, ConfigError) as error:
-        # OmegaConf's type errors span several lines (value, full_key, types): one line, all of it
-        print("error: " + " ".join(line.strip() for line in str(error).splitlines()), file=sys.stderr)
-        return 2
-    except FloatingPointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    """The exit status: 0 done, 1 diverged, 2 bad input (one line), 128 + N stopped by signal N (rerun to resume)."""
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.exit_status import exit_status_of
+    from pretrain.monitor import MetricsFileError
+    from pretrain.run_lock import RunDirectoryInUse
+
+    return exit_status_of(lambda: run_detection(args),
+                          (EvaluationInputError, DetectionInputError, ConfigError, CheckpointError, RunDirectoryInUse,
+                           MetricsFileError), "detection")

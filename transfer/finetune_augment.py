@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from PIL import Image
 
 from pretrain.data.augment import normalise
-from pretrain.data.loader import seeded_generator
+from pretrain.data.seeding import seeded_generator
 from transfer.finetune_config import mixup_enabled
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.checkpoint import write_text_atomically
+from pretrain.atomic_write import write_text_atomically
 from pretrain.config import ConfigError
 from pretrain.data import DatasetError
 

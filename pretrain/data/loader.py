@@ -31,17 +31,12 @@ import torch
 from pretrain.data import DatasetError
 from pretrain.data.augment import augment_views, canvas_to_device, normalise
 from pretrain.data.batch_designs import BatchDesign, ClassAwareBatches, dataset_labels
+from pretrain.data.seeding import seeded_generator
 from pretrain.data.views import ViewBatch, ViewGroup
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 BACKENDS = ("ffcv", "torchvision")
-
-
-def seeded_generator(*keys: int) -> torch.Generator:
-    """A CPU torch.Generator seeded from a tuple of integers (mixed with numpy's SeedSequence)."""
-    state = np.random.SeedSequence([int(k) for k in keys]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator().manual_seed(int(state) >> 1)
 
 
 def rank_epoch_order(num_images: int, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:

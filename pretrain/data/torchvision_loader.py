@@ -17,6 +17,7 @@ from torchvision import transforms
 from torchvision.transforms import functional as TF
 
 from pretrain.data.augment import blur_kernel_size
+from pretrain.data.seeding import seeded_generator
 from pretrain.data.views import ViewGroup
 from pretrain.data.writer import list_image_folder
 
@@ -79,8 +80,6 @@ class ImageFolderViews(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int):
-        from pretrain.data.loader import seeded_generator
-
         # torchvision's transforms draw from torch's global generator: fork it so the caller's stays untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seeded_generator(*self.draw_seed, index).initial_seed())

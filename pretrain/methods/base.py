@@ -1,5 +1,9 @@
 """The method protocol: all that the training loop and hard view selection need from a method.
 
+A method is the training loop's task for pretraining (`pretrain.task.TrainingTask`, which it extends): its
+`batch_loss` is views -> (hard view selection) -> forward -> loss, and its export at every checkpoint is the
+backbone that eval and transfer read.
+
 A method is one file in this package, `pretrain/methods/NAME.py`, that defines
 
     @dataclass class Options        its `method.*` config keys (with `name: str = "NAME"`) and defaults
@@ -14,6 +18,7 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
 `0 .. k-1` again.
 
     forward(views) -> outputs                 one forward of all views; a dict of (B, n_total, ...) tensors
+    batch_loss(engine, batch, position, autocast)   a ViewBatch -> (hard view selection) -> forward -> loss
     sample_loss(outputs, combination, labels) -> (B,)   per-sample loss of one combination
     candidate_losses(outputs, combinations, labels) -> (B, C)   all candidates (override to share work)
     loss(outputs, labels) -> scalar           the training loss on the chosen views
@@ -21,21 +26,29 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
     after_step(step)                          EMA teacher / queue updates, once per optimizer step
     scalars() -> {name: float}                method-specific values to log (e.g. tcl/grad_pos)
     state_outside_engine() / load_state_outside_engine(state)   what DeepSpeed does not checkpoint
-    backbone_to_export() -> nn.Module         the backbone that eval / transfer read
+    backbone_to_export() -> nn.Module         the backbone that eval / transfer read (`write_export` writes it)
     modules_with_buffers() -> [nn.Module]     every module whose buffers the forward may change (the
                                               selection forward restores them: pretrain/hvs.py)
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from pretrain.data.views import ViewBatch
+from pretrain.hvs import select_hard_views
+from pretrain.task import BatchLoss, BatchPosition, TrainingTask
 
-class Method(nn.Module):
-    """Defaults for the optional parts of the protocol; subclasses define forward and sample_loss."""
+
+class Method(TrainingTask):
+    """Defaults for the optional parts of the protocol; subclasses define forward and sample_loss. after_step,
+    scalars and the state outside the engine default to nothing (TrainingTask's defaults)."""
 
     # Hard view selection logs the IoU of a combination as the mean IoU over pairs of its first
     # `iou_views` views (None: all of them). DINO sets 2: the IoU of its two global crops.
@@ -44,6 +57,8 @@ class Method(nn.Module):
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__()
         self.train_counts = [group.count for group in cfg.data.views]
+        self.cfg = cfg              # model.* / data.* for the export
+        self.hvs = cfg.hvs          # hard view selection's settings (hvs.*)
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
@@ -51,6 +66,37 @@ class Method(nn.Module):
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def batch_loss(self, engine, batch: ViewBatch, position: BatchPosition,
+                   autocast: Callable[[], AbstractContextManager]) -> BatchLoss:
+        """views -> (hard view selection) -> forward -> loss, through `engine` (which calls `forward`).
+
+        batch.views: the loader's view groups, (B, n_g, C, H_g, W_g) each, with boxes (B, n_g, 4); with selection
+        (`hvs.enabled`) every group holds its pool (hvs.num_views), without it the method's own view counts.
+        Two autocast regions, not one: under ZeRO-3, which gathers and releases the parameters around every
+        forward, bf16 weight copies cached in the selection forward would break the training backward.
+        """
+        hvs, views, selection = self.hvs, batch.views, None
+        if hvs.enabled:
+            with autocast():
+                selection = select_hard_views(engine, self, batch.views, batch.boxes, batch.labels, self.train_counts,
+                                              hvs.mode, hvs.selection_size, hvs.max_candidates, position.rng())
+            views = selection.views
+        with autocast():
+            outputs = engine(views)
+        loss = self.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
+        if selection is None:
+            return BatchLoss(loss)
+        shown = min(8, batch.batch_size)
+        return BatchLoss(loss, selection.stats,
+                         images=lambda: {"hvs/pool": self.denormalise(batch.views[0][:shown]),
+                                         "hvs/selected": self.denormalise(selection.views[0][:shown])})
+
+    def denormalise(self, views: torch.Tensor) -> torch.Tensor:
+        """Normalised views -> pixels in [0, 1], to show them."""
+        mean = torch.tensor(self.cfg.data.mean, device=views.device).view(3, 1, 1)
+        std = torch.tensor(self.cfg.data.std, device=views.device).view(3, 1, 1)
+        return (views.float() * std + mean).clamp(0, 1)
 
     def sample_loss(self, outputs: dict[str, torch.Tensor], combination: Sequence[int],
                     labels: torch.Tensor) -> torch.Tensor:
@@ -66,20 +112,12 @@ class Method(nn.Module):
     def param_groups(self) -> list[dict]:
         return split_decay_groups(self)
 
-    def after_step(self, step: int) -> None:
-        pass
-
-    def scalars(self) -> dict[str, float]:
-        return {}
-
-    def state_outside_engine(self) -> dict:
-        return {}
-
-    def load_state_outside_engine(self, state: dict) -> None:
-        pass
-
     def backbone_to_export(self) -> nn.Module:
         return self.backbone
+
+    def write_export(self, run_dir: Path, epoch: int, step: int) -> None:
+        from pretrain.checkpoint import export_backbone
+        export_backbone(self, run_dir, self.cfg, epoch, step)
 
     def modules_with_buffers(self) -> list[nn.Module]:
         return [self]
@@ -114,7 +152,7 @@ def encode_view_groups(encoder: nn.Module, views: list[torch.Tensor]) -> torch.T
 
 def require_one_view_group(cfg: DictConfig, min_count: int = 2, max_count: int | None = None) -> None:
     """For methods that train on views of one kind: one view group, with `min_count`..`max_count` views."""
-    from pretrain.config import ConfigError
+    from pretrain.config_error import ConfigError
 
     name, views = cfg.method.name, cfg.data.views
     if len(views) != 1:

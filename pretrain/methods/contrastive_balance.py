@@ -48,7 +48,7 @@ class Options:
 class ContrastiveBalance(TCL):
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config import ConfigError
+        from pretrain.config_error import ConfigError
 
         o = cfg.method
         require_one_view_group(cfg, 1 if o.supervised else 2)

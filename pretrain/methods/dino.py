@@ -159,7 +159,7 @@ class DINO(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config import ConfigError
+        from pretrain.config_error import ConfigError
 
         o, views = cfg.method, cfg.data.views
         if len(views) < NUM_GLOBAL_GROUPS or views[0].count != 1 or views[1].count != 1:
@@ -314,7 +314,7 @@ class DINO(Method):
         """Teacher, centre and step counter for the checkpoint's client state. Called on every rank: the
         teacher's BatchNorm statistics (updated by its own forwards, per rank) are averaged first, as
         save_checkpoint does for the student, so that rank 0's export is the mean teacher."""
-        from pretrain.checkpoint import average_buffers
+        from pretrain.distributed import average_buffers
 
         average_buffers(self.teacher)
         return {"teacher": {name: t.detach().cpu().clone() for name, t in self.teacher.state_dict().items()},

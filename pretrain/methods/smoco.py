@@ -110,7 +110,7 @@ class SMoCo(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config import ConfigError
+        from pretrain.config_error import ConfigError
 
         o = cfg.method
         require_one_view_group(cfg, 2, 2)
@@ -222,7 +222,7 @@ class SMoCo(Method):
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
         if (labels < 0).any():
-            from pretrain.config import ConfigError
+            from pretrain.config_error import ConfigError
 
             raise ConfigError("method.name=smoco needs class labels, but this batch has label -1 (unknown): write "
                               "the .beton from an image folder with one sub-folder per class")
@@ -279,7 +279,7 @@ class SMoCo(Method):
     def state_outside_engine(self) -> dict:
         """Key encoder, queue (with labels and position), drift probe and step counter. The key encoder's
         BatchNorm statistics (its own forwards, per rank) are averaged first, as the student's are."""
-        from pretrain.checkpoint import average_buffers
+        from pretrain.distributed import average_buffers
 
         average_buffers(self.key_encoder)
 

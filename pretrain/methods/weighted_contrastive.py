@@ -58,7 +58,7 @@ class WeightedContrastive(TCL):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config import ConfigError
+        from pretrain.config_error import ConfigError
 
         o = cfg.method
         require_one_view_group(cfg, 1, 1)
@@ -77,7 +77,7 @@ class WeightedContrastive(TCL):
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
         if (labels < 0).any():
-            from pretrain.config import ConfigError
+            from pretrain.config_error import ConfigError
 
             raise ConfigError("method.name=weighted_contrastive needs class labels, but this batch has label -1 "
                               "(unknown): write the .beton from an image folder with one sub-folder per class")

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from tests.test_engine_step import CONFIGS, METHOD_CONFIGS, TINY, views_and_boxes
+from tests.engine_helpers import CONFIGS, METHOD_CONFIGS, TINY, engine_for, views_and_boxes
 
 ROOT = Path(__file__).parents[2]
 CUDA = torch.device("cuda")
@@ -27,7 +26,7 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    from pretrain.engine import init_distributed
+    from pretrain.distributed import init_distributed
 
     init_distributed()           # one NCCL process on GPU 0
     yield
@@ -36,10 +35,11 @@ def process_group():
 @pytest.mark.parametrize("config", METHOD_CONFIGS)
 def test_bf16_step_is_the_fp32_step_within_bf16_rounding(config):
     from pretrain.config import load_config
-    from pretrain.engine import train_step
+    from pretrain.data.views import ViewBatch
+    from pretrain.loop import train_step
+    from pretrain.task import BatchPosition
     from pretrain.methods import build_method
     from pretrain.optim import set_schedule_values
-    from tests.test_engine_step import engine_for
 
     extra = ["method.out_dim=64"] if config.startswith("dino") else []
     cfg = load_config(CONFIGS / config, [*TINY, *extra, "optim.name=adamw", "optim.lr=0.001", "hvs.enabled=false"])
@@ -53,8 +53,8 @@ def test_bf16_step_is_the_fp32_step_within_bf16_rounding(config):
         views = [v[:, :c].to(CUDA) for v, c in zip(views, method.train_counts)]
         boxes = [b[:, :c].to(CUDA) for b, c in zip(boxes, method.train_counts)]
         set_schedule_values(optimizer, 0.001, 0.0, 0.001, 0)
-        loss, _ = train_step(engine, method, views, boxes, labels.to(CUDA), OmegaConf.create(cfg.hvs),
-                             random.Random(0), bf16=precision == "bf16")
+        loss = train_step(engine, method, ViewBatch(views, boxes, labels.to(CUDA), torch.arange(len(labels))),
+                          BatchPosition(0, 0, 0, 0), bf16=precision == "bf16").loss
         losses[precision] = loss.item()
         assert all(p.dtype == torch.float32 for p in method.parameters())        # fp32 masters
     assert math.isfinite(losses["bf16"])
@@ -105,10 +105,11 @@ def test_selection_on_cuda_chooses_the_cpu_views(config):
 
 def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
     from pretrain.config import load_config
-    from pretrain.engine import train_step
+    from pretrain.data.views import ViewBatch
+    from pretrain.loop import train_step
+    from pretrain.task import BatchPosition
     from pretrain.methods import build_method
     from pretrain.optim import set_schedule_values
-    from tests.test_engine_step import engine_for
 
     cfg = load_config(CONFIGS / "dino_digits.yaml", [*TINY, "method.out_dim=64", "optim.name=adamw",
                                                       "hvs.enabled=false", "method.momentum_teacher=0.9"])
@@ -122,7 +123,8 @@ def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
     method.teacher_on(CUDA)
     teacher_before = [p.clone() for p in [*method.teacher["backbone"].parameters(), *method.teacher["head"].parameters()]]
     set_schedule_values(optimizer, 0.01, 0.04, 0.01, 0)
-    train_step(engine, method, views, boxes, labels.to(CUDA), cfg.hvs, random.Random(0), bf16=True)
+    train_step(engine, method, ViewBatch(views, boxes, labels.to(CUDA), torch.arange(len(labels))),
+               BatchPosition(0, 0, 0, 0), bf16=True)
     method.after_step(engine.global_steps)
     m = float(method.momentum_schedule[0])
     student = [*method.backbone.parameters(), *method.head.parameters()]
@@ -133,16 +135,13 @@ def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
     assert error < 1e-6
 
 
-def test_nccl_run_with_sync_batchnorm(tmp_path):
+def test_nccl_run_with_sync_batchnorm(digits, tmp_path):
     """A 2-process run where there are 2 GPUs (NCCL refuses two ranks on one GPU; then 1 process): the engine
     converts BatchNorm to SyncBatchNorm and the processes' running statistics agree."""
-    from pretrain.data.digits import write_digits
-
     processes = 2 if torch.cuda.device_count() >= 2 else 1
-    write_digits(tmp_path / "digits")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                "-m", "pretrain", "--config", str(CONFIGS / "simclr_digits.yaml"), f"run_dir={tmp_path / 'run'}",
-               f"data.train={tmp_path / 'digits/train.beton'}", f"data.val={tmp_path / 'digits/val.beton'}",
+               f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}",
                "engine.max_steps=5", "engine.precision=bf16"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

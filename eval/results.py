@@ -1,0 +1,118 @@
+"""Where results go and how they are written: the one place for RUN_DIR/eval/*.json and their TensorBoard scalars.
+
+Every evaluation of a backbone export (`python -m eval knn|linear|retrieval`, `python -m eval watch`, the
+fine-tuning and detection of `python -m transfer`) records its result as
+
+    RUN_DIR/eval/{name}_step{step:07d}.json        the result, written last and atomically: the record that it is done
+    RUN_DIR/eval/{name}_step{step:07d}{suffix}      optional extra files next to it (e.g. `_detections.json`)
+    RUN_DIR/tb/events.out.tfevents.*.{name}_step{step:07d}
+                                                   its TensorBoard scalars at the export's step, next to the
+                                                   training curves, in an event file of their own
+
+`name` is the protocol (`knn`, `linear`, `finetune_10pct_export`, `detection_random`, ...). A result is written
+again (a re-run, or an attempt that crashed before its JSON) without duplicating its scalars in TensorBoard:
+the event file named after the result is replaced, not added to.
+
+This module imports nothing of the project but `pretrain.atomic_write`, and TensorBoard only when it writes.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from pretrain.atomic_write import write_text_atomically
+
+RESULTS_DIR = "eval"       # RUN_DIR/eval: the results (and the feature caches of `python -m eval`)
+TENSORBOARD_DIR = "tb"     # RUN_DIR/tb: the training curves, and the results' scalars beside them
+
+
+def result_stem(name: str, step: int) -> str:
+    """`{name}_step{step:07d}`: the file name, without suffix, of the result of `name` on the export of `step`."""
+    return f"{name}_step{int(step):07d}"
+
+
+def result_path(run_dir: str | Path, name: str, step: int, suffix: str = ".json") -> Path:
+    """RUN_DIR/eval/{name}_step{step:07d}{suffix}: one result per protocol and export step (`suffix` ".json"), or
+    a file written next to it (e.g. suffix "_detections.json")."""
+    return Path(run_dir) / RESULTS_DIR / f"{result_stem(name, step)}{suffix}"
+
+
+def feature_cache_path(run_dir: str | Path, step: int) -> Path:
+    """RUN_DIR/eval/features_step{step:07d}.pt: the features `python -m eval` extracted from the export of `step`
+    (a cache, not a result: `python -m eval watch` deletes it once every protocol has run on that step)."""
+    return result_path(run_dir, "features", step, ".pt")
+
+
+def write_result(run_dir: str | Path, name: str, step: int, result: Mapping[str, Any],
+                 scalars: Mapping[str, float], extra_files: Mapping[str, str] | None = None) -> Path:
+    """Record a result: the `extra_files`, then the TensorBoard `scalars`, then the JSON; returns the JSON's path.
+
+    run_dir:     the run directory (RUN_DIR).
+    name, step:  the protocol and the export's step; the result is RUN_DIR/eval/{name}_step{step:07d}.json.
+    result:      the JSON's content, written as given (indent 2), last and atomically: its existence says the
+                 evaluation is done (what `python -m eval watch` looks for).
+    scalars:     TensorBoard tag -> value, written at global step `step` to RUN_DIR/tb, in an event file of its
+                 own named after the result. An event file of an earlier write of the same result (a re-run,
+                 or an attempt that never reached its JSON) is deleted first, so the scalars are in
+                 TensorBoard once, whatever the number of attempts.
+    extra_files: suffix -> text of files written next to the JSON, each atomically, before the scalars and
+                 the JSON: {"_detections.json": text} writes RUN_DIR/eval/{name}_step{step:07d}_detections.json
+                 (find its path with `result_path(run_dir, name, step, suffix)`).
+    """
+    run_dir = Path(run_dir)
+    path = result_path(run_dir, name, step)
+    stem = result_stem(name, step)
+    for suffix in extra_files or {}:
+        if not suffix or suffix == ".json" or "/" in suffix:
+            raise ValueError(f"extra file suffix {suffix!r} must be non-empty, other than '.json' (the result "
+                             "itself) and name a file next to it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in (extra_files or {}).items():
+        write_text_atomically(result_path(run_dir, name, step, suffix), text)
+    write_scalars(run_dir / TENSORBOARD_DIR, stem, step, scalars)
+    write_text_atomically(path, json.dumps(dict(result), indent=2) + "\n")
+    return path
+
+
+def write_scalars(log_dir: Path, stem: str, step: int, scalars: Mapping[str, float]) -> None:
+    """`scalars` at global step `step` in LOG_DIR/events.out.tfevents.*.{stem}, replacing any earlier such file."""
+    from torch.utils.tensorboard import SummaryWriter  # tensorboard import is slow; only pay for it here
+
+    suffix = f".{stem}"
+    for earlier in Path(log_dir).glob(f"events.out.tfevents.*{suffix}"):
+        earlier.unlink()
+    writer = SummaryWriter(log_dir=str(log_dir), filename_suffix=suffix)
+    try:
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, global_step=int(step))
+    finally:
+        writer.close()
+
+
+# ============ the result of evaluating an export (python -m eval, python -m transfer finetune) ============
+
+
+class EvaluatedExport(Protocol):
+    """What `write_results` reads of its `inputs` (eval's EvaluationInputs, transfer's FinetuneInputs)."""
+
+    export: Any           # eval.features.BackboneExport: .step, .epoch, .arch
+    checkpoint: Path      # the export file evaluated
+    out_dir: Path         # RUN_DIR
+    train_path: Path
+    val_path: Path
+
+
+def write_results(inputs: EvaluatedExport, protocol: str, top1: dict[str, float] | float,
+                  scalars: Mapping[str, float], details: Mapping[str, Any]) -> Path:
+    """Write the result of `protocol` on `inputs.export`: the TensorBoard `scalars` at the export's step, then
+    INPUTS.OUT_DIR/eval/{protocol}_step{step:07d}.json (see `write_result`); returns the JSON's path.
+
+    The JSON holds protocol, step, epoch, checkpoint, arch, top1, train, val, then `details`.
+    """
+    export = inputs.export
+    result = {"protocol": protocol, "step": export.step, "epoch": export.epoch,
+              "checkpoint": str(inputs.checkpoint), "arch": export.arch, "top1": top1,
+              "train": str(inputs.train_path), "val": str(inputs.val_path), **details}
+    return write_result(inputs.out_dir, protocol, export.step, result, scalars)

@@ -1,0 +1,75 @@
+"""The process group and the collective checks every stage that trains uses.
+
+`init_distributed` joins the group a launcher (torchrun, deepspeed, Slurm through `launch`) set up, or makes a
+group of one for a plain `python -m ...`; the rest are collectives, to be called on every rank.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """Join (or, for a plain `python -m pretrain`, create) the process group: NCCL on GPUs, gloo on CPUs.
+    `device`: "auto" (the GPU of LOCAL_RANK when CUDA is available) or "cpu". Returns (rank, world size, this
+    process's device)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # no launcher: a group of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available() and device != "cpu"
+    if not cuda:
+        # DeepSpeed's CPU accelerator JIT-builds its shared-memory op (deepspeed_shm_comm) at the first start,
+        # about 30 s under a lock in the torch extensions cache; a start killed in that window leaves the lock
+        # and every later start waits on it forever. The op serves only inference_all_reduce, which training
+        # never calls: mark it unavailable so that it is neither built nor loaded.
+        import deepspeed.ops
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_ranks_agree(ok: bool) -> bool:
+    """True when `ok` holds on every process (a collective: call it on every rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def finite_on_every_rank(loss: torch.Tensor) -> bool:
+    """True when `loss` is finite on every process."""
+    return all_ranks_agree(bool(torch.isfinite(loss.detach()).all()))
+
+
+def parameters_finite_on_every_rank(module: nn.Module) -> bool:
+    """True when no parameter of `module` holds NaN or inf on any process (ZeRO-3: this rank's partition)."""
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in module.parameters())
+    return all_ranks_agree(finite)
+
+
+def average_buffers(module: nn.Module) -> None:
+    """All-reduce (mean) floating-point buffers such as BatchNorm running statistics: DeepSpeed broadcasts
+    parameters once at start but never buffers, so without SyncBatchNorm they drift apart between ranks."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            buffer.div_(dist.get_world_size())

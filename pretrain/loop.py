@@ -1,0 +1,352 @@
+"""The training loop of every stage that trains: pretraining, fine-tuning and detection.
+
+    for every optimizer step of an epoch:
+        set the step's learning rate and weight decay
+        grad_accum times: micro-batch -> task.batch_loss -> [finite on every rank?] -> backward -> engine.step
+        task.after_step -> [epoch end: task.after_epoch] -> log -> checkpoint (+ task.write_export)
+        -> [stop signal on any rank?]
+
+A stage (pretrain/engine.py, transfer/finetune.py, transfer/detection.py) describes its run as a `Stage`: its
+data, its task (a `pretrain.task.TrainingTask`, the module the engine wraps, which turns a batch into a loss),
+its optimizer and schedules, what it records. `run_training(stage)` does the rest the same way for all:
+processes and the run lock, seeds, the DeepSpeed engine and its config, resume through the run-layout check,
+divergence, checkpoints, logging, the graceful stop.
+
+Runs as one process (`python -m ...`) or several (`torchrun` / `deepspeed` / Slurm through `launch`);
+DeepSpeed ZeRO shards optimizer state (stage 1), gradients (2) and parameters (3) across them.
+
+Precision: weights, gradients (accumulated and all-reduced) and optimizer state are fp32 in every ZeRO stage;
+`engine.precision=bf16` runs the task's forwards under `torch.autocast(bfloat16)`. DeepSpeed's own bf16 mode is
+not used: it casts the weights to bf16 (BatchNorm then fails with bf16 weights and fp32 running statistics),
+and for ZeRO stage 0 it accumulates and all-reduces gradients in bf16 (DeepSpeed 0.19 refuses fp32
+accumulation there: "unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32").
+
+Gradient clipping: DeepSpeed 0.19.8 clips the global gradient norm at 1.0 when its config has no
+`gradient_clipping` key (`runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0`), so `deepspeed_config`
+always writes the key: `grad_clip` when it is > 0, else 0 (no clipping).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from pretrain.checkpoint import resume_from_newest_loadable, run_layout, save_checkpoint
+from pretrain.distributed import finite_on_every_rank, init_distributed, parameters_finite_on_every_rank
+from pretrain.divergence import NonFiniteLoss, TrainingDiverged
+from pretrain.graceful_stop import GracefulStop, StopRequested
+from pretrain.monitor import TrainingMonitor
+from pretrain.optim import Schedules, set_schedule_values
+from pretrain.run_lock import locked_run_directory
+from pretrain.task import BatchLoss, BatchPosition, TrainingTask
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """The settings the loop reads; pretraining and fine-tuning take them from their `optim.*` / `engine.*` keys
+    (`from_config`), detection from its `train.*` keys."""
+
+    epochs: int
+    batch_size: int                 # per process and micro-batch
+    grad_accum: int = 1             # micro-batches per optimizer step
+    grad_clip: float = 0.0          # max global gradient norm; 0: no clipping
+    seed: int = 0
+    zero_stage: int = 0
+    precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
+    max_steps: int = 0              # stop after this many optimizer steps (0: all epochs); schedules span all
+    log_every_steps: int = 10
+    print_every_steps: int = 10
+    checkpoint_every_steps: int = 0  # 0: at epoch ends (and the last step) only
+    keep_checkpoints: int = 0       # 0: keep all
+    image_grid_every_steps: int = 0
+    sync_batchnorm: bool = True     # GPUs, several processes
+    channels_last: bool = False     # GPUs
+    device: str = "auto"            # auto (CUDA when available) | cpu
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> LoopOptions:
+        e = cfg.engine
+        return cls(epochs=cfg.optim.epochs, batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
+                   grad_clip=float(cfg.optim.grad_clip), seed=cfg.seed, zero_stage=e.zero_stage,
+                   precision=e.precision, max_steps=e.max_steps, log_every_steps=e.log_every_steps,
+                   print_every_steps=e.print_every_steps, checkpoint_every_steps=e.checkpoint_every_steps,
+                   keep_checkpoints=e.keep_checkpoints,
+                   image_grid_every_steps=e.get("image_grid_every_steps", 0), sync_batchnorm=e.sync_batchnorm,
+                   channels_last=e.channels_last)
+
+
+def deepspeed_config(options: LoopOptions) -> dict:
+    """The DeepSpeed config of a run. `gradient_clipping` is always written: left out, DeepSpeed clips at 1.0."""
+    return {
+        "train_micro_batch_size_per_gpu": options.batch_size,
+        "gradient_accumulation_steps": options.grad_accum,
+        "gradient_clipping": float(options.grad_clip),
+        "zero_optimization": {"stage": options.zero_stage},
+        "zero_allow_untested_optimizer": True,   # our optimizers are plain torch ones (LARS is not DeepSpeed's)
+        "steps_per_print": 1 << 30,
+    }
+
+
+class EpochLoader(Protocol):
+    """What the loop reads batches from: `len()` micro-batches per epoch and process (a multiple of grad_accum),
+    `epoch(e, start_batch=k)` the micro-batches of epoch e from k on, `num_images` for the run-layout check."""
+
+    num_images: int
+
+    def __len__(self) -> int: ...
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]: ...
+
+
+class Stage:
+    """A run of a stage that trains, described for `run_training`. Subclasses set `name`, `run_dir` and `options`
+    and define `build_loader`, `build_task`, `schedules` and `build_optimizer`; the other hooks have defaults."""
+
+    name = "training"               # in messages: "training diverged in epoch ..."
+    run_dir: Path
+    options: LoopOptions
+
+    def check_inputs(self) -> None:
+        """Before any process group or worker starts: raise for inputs that cannot work."""
+
+    def check_resumable(self) -> None:
+        """On every rank, before anything is written: refuse a run directory that holds another run."""
+
+    def check_fresh_start(self) -> None:
+        """When there is no checkpoint to resume: refuse if starting afresh would overwrite something."""
+
+    def divergence_advice(self) -> str:
+        """What to try when the run diverged, naming the stage's keys."""
+        return "Try a lower learning rate, gradient clipping or a longer warm-up."
+
+    def seed_generators(self) -> None:
+        import random
+        random.seed(self.options.seed)
+        np.random.seed(self.options.seed)
+        torch.manual_seed(self.options.seed)
+
+    def build_loader(self, rank: int, world_size: int, device: torch.device) -> EpochLoader:
+        """This rank's loader; raise ConfigError when it holds fewer than grad_accum micro-batches."""
+        raise NotImplementedError
+
+    def build_task(self, steps_per_epoch: int, device: torch.device) -> TrainingTask:
+        raise NotImplementedError
+
+    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
+        raise NotImplementedError
+
+    def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def record(self, task: TrainingTask, steps_per_epoch: int, rank: int) -> None:
+        """After the resume decision (a refused start must not overwrite the record of the run it clashed with):
+        write what ran (RUN_DIR/config.yaml) and say so, on rank 0."""
+
+    def finish(self, engine, task: TrainingTask, step: int, epoch: int, rank: int) -> Any:
+        """After the last step, on every rank; what `run_training` returns."""
+        return None
+
+
+class Checkpointer:
+    """Saves the run at a step (DeepSpeed checkpoint + trainer state + the task's state outside the engine, then
+    the task's `write_export`) after checking that the parameters are finite, resumes it, and words what
+    divergence leaves behind."""
+
+    def __init__(self, engine, task: TrainingTask, stage: Stage, layout: dict[str, int]):
+        self.engine, self.task, self.stage, self.layout = engine, task, stage, layout
+        self.directory = stage.run_dir / "checkpoints"
+        self.saved_step: int | None = None
+
+    def resume(self) -> tuple[int, int] | None:
+        """Load the newest checkpoint that loads; return its (epoch, batch in epoch), or None (a fresh start)."""
+        resumed = resume_from_newest_loadable(self.engine, self.directory, self.layout)
+        if resumed is None:
+            return None
+        trainer_state, client_state = resumed
+        self.task.load_state_outside_engine(client_state.get("task", client_state.get("method", {})))
+        self.saved_step = self.engine.global_steps
+        return trainer_state["epoch"], trainer_state["batch_in_epoch"]
+
+    def save(self, epoch: int, batch_in_epoch: int) -> None:
+        step = self.engine.global_steps
+        if not parameters_finite_on_every_rank(self.engine.module):
+            raise self.diverged(f"the parameters are NaN or inf after step {step}", epoch)
+        save_checkpoint(self.engine, self.directory,
+                        {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **self.layout},
+                        {"task": self.task.state_outside_engine()}, self.stage.options.keep_checkpoints)
+        self.task.write_export(self.stage.run_dir, epoch, step)
+        self.saved_step = step
+
+    def diverged(self, what: str, epoch: int) -> TrainingDiverged:
+        saved = self.saved_step
+        kept = (f"The last checkpoint ({self.directory / f'step{saved:08d}'}), of step {saved}, and what it "
+                "exported are finite and kept; rerunning the same command resumes from there" if saved is not None
+                else "No checkpoint had been saved yet; rerunning the same command starts afresh")
+        return TrainingDiverged(f"{self.stage.name} diverged in epoch {epoch}: {what}. {kept}. "
+                                f"{self.stage.divergence_advice()}")
+
+
+def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, bf16: bool = False) -> BatchLoss:
+    """One micro-batch: the task's loss -> [finite on every rank?] -> backward -> engine.step (DeepSpeed steps the
+    optimizer at the end of each gradient-accumulation cycle).
+
+    Raises NonFiniteLoss, on every rank, before the backward of a loss that is NaN or inf on any rank: the
+    parameters stay those of the last step.
+    """
+    device_type = next(engine.module.parameters()).device.type
+
+    # A fresh autocast region for every forward the task runs: autocast caches the bf16 copy of each weight for
+    # its whole region, and under ZeRO-3, which gathers and releases the parameters around every forward, copies
+    # cached in one forward break the next one's backward.
+    def autocast():
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+
+    result = task.batch_loss(engine, batch, position, autocast)
+    if not finite_on_every_rank(result.loss):
+        raise NonFiniteLoss(result.loss.item())
+    engine.backward(result.loss)
+    engine.step()
+    result.loss = result.loss.detach()
+    return result
+
+
+def run_training(stage: Stage) -> Any:
+    """Run (or resume) `stage`'s training; return what `stage.finish` returns.
+
+    Raises, on every rank: the stage's input errors, ConfigError, CheckpointError, RunDirectoryInUse (bad input:
+    nothing was trained); TrainingDiverged; StopRequested (a signal: a checkpoint was saved).
+    """
+    o = stage.options
+    # ==== processes, run directory, seeds ====
+    stage.check_inputs()                                # before any process group or worker starts
+    rank, world_size, device = init_distributed(o.device)
+    run_dir = stage.run_dir
+    # Signals are honoured from here on: one that arrives during the set-up stops the run after its first step.
+    with GracefulStop() as stop, locked_run_directory(run_dir, rank):
+        stage.check_resumable()                         # on every rank: a refused start ends all of them
+        if rank == 0:
+            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        stage.seed_generators()
+        bf16 = o.precision == "bf16" or (o.precision == "auto" and device.type == "cuda")
+
+        # ==== data, task, optimizer and schedules, DeepSpeed engine ====
+        loader = stage.build_loader(rank, world_size, device)
+        steps_per_epoch = len(loader) // o.grad_accum
+        task = stage.build_task(steps_per_epoch, device)
+        if device.type == "cuda" and world_size > 1 and o.sync_batchnorm:
+            task = nn.SyncBatchNorm.convert_sync_batchnorm(task)   # never on CPU: it raises there
+        if device.type == "cuda" and o.channels_last:
+            task = task.to(memory_format=torch.channels_last)      # convolutions then run NHWC (tensor cores)
+        schedules = stage.schedules(steps_per_epoch, o.batch_size * world_size * o.grad_accum)
+        optimizer = stage.build_optimizer(task, schedules.peak_lr)
+        engine, optimizer, _, _ = deepspeed.initialize(model=task, optimizer=optimizer, config=deepspeed_config(o))
+
+        # ==== resume: the newest checkpoint that loads, else a fresh start ====
+        checkpointer = Checkpointer(engine, task, stage, run_layout(o, world_size, loader.num_images))
+        resumed_at = checkpointer.resume()
+        epoch, start_batch = resumed_at or (0, 0)
+        if resumed_at is not None:
+            if start_batch >= len(loader):
+                epoch, start_batch = epoch + 1, 0
+            if rank == 0:
+                print(f"resumed {run_dir} at step {engine.global_steps} (epoch {epoch}, batch {start_batch})",
+                      flush=True)
+        else:
+            stage.check_fresh_start()
+        stage.record(task, steps_per_epoch, rank)
+        total_steps = o.epochs * steps_per_epoch
+        stop_step = min(total_steps, o.max_steps) if o.max_steps > 0 else total_steps
+        monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=o.print_every_steps,
+                                  resumed_step=engine.global_steps if resumed_at is not None else None)
+
+        # ==== training loop ====
+        engine.train()
+        step = engine.global_steps                       # optimizer steps taken
+        try:
+            while epoch < o.epochs and step < stop_step:
+                waited, images, window_start = 0.0, 0, time.perf_counter()
+                batch_index = start_batch
+                # closing(): FFCV's decode thread is stopped and joined when the loop is left early
+                with closing(loader.epoch(epoch, start_batch=start_batch)) as batches:
+                    for _ in range(start_batch // o.grad_accum, steps_per_epoch):
+                        set_schedule_values(optimizer, schedules.lr[step], schedules.weight_decay[step],
+                                            schedules.peak_lr, step)
+                        step_sums: dict[str, float] = {}
+                        for _ in range(o.grad_accum):
+                            tick = time.perf_counter()
+                            batch = next(batches, None)
+                            if batch is None:
+                                raise RuntimeError(f"the loader ended epoch {epoch} after {batch_index} of its "
+                                                   f"{len(loader)} micro-batches")
+                            waited += time.perf_counter() - tick
+                            position = BatchPosition(o.seed, rank, epoch, batch_index)
+                            try:
+                                result = train_step(engine, task, batch, position, bf16)
+                            except NonFiniteLoss as error:
+                                raise checkpointer.diverged(f"the loss is {error.value} in step {step + 1}, which "
+                                                            "was not applied", epoch) from None
+                            batch_index += 1
+                            images += batch.batch_size * world_size
+                            for name, value in {"train/loss": result.loss.item(), **result.scalars}.items():
+                                step_sums[name] = step_sums.get(name, 0.0) + value
+                        step += 1
+                        if engine.global_steps != step:
+                            raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps where the loop "
+                                               f"counted {step}: gradient_accumulation_steps disagrees")
+                        task.after_step(step)
+                        epoch_end = batch_index == len(loader)
+                        epoch_scalars = task.after_epoch(engine, epoch, step) if epoch_end or step == stop_step \
+                            else {}
+
+                        # ---- logging: the step's mean over its micro-batches and over the processes ----
+                        if step % o.log_every_steps == 0 or step == stop_step or epoch_scalars:
+                            elapsed = time.perf_counter() - window_start
+                            averaged = {**{name: total / o.grad_accum for name, total in step_sums.items()},
+                                        **task.scalars()}
+                            values = torch.tensor(list(averaged.values()), device=device, dtype=torch.float32)
+                            dist.all_reduce(values)
+                            monitor.log(step, epoch, {**dict(zip(averaged, (values / world_size).tolist())),
+                                                      "train/lr": float(schedules.lr[step - 1]),
+                                                      "train/weight_decay": float(schedules.weight_decay[step - 1]),
+                                                      "perf/images_per_s": images / max(elapsed, 1e-9),
+                                                      "perf/data_wait_frac": waited / max(elapsed, 1e-9),
+                                                      **epoch_scalars})
+                            waited, images, window_start = 0.0, 0, time.perf_counter()
+                        if result.images is not None and o.image_grid_every_steps and \
+                                step % o.image_grid_every_steps == 0:
+                            for tag, grid in result.images().items():
+                                monitor.log_images(step, tag, grid)
+
+                        # ---- checkpoint; stop on a signal ----
+                        every = o.checkpoint_every_steps
+                        if (every and step % every == 0) or epoch_end or step == stop_step:
+                            checkpointer.save(epoch, batch_index)
+                        if step >= stop_step:           # the run is complete: a late signal changes nothing
+                            break
+                        signum = stop.requested_on_any_rank(device)
+                        if signum:
+                            if checkpointer.saved_step != step:
+                                checkpointer.save(epoch, batch_index)
+                            raise StopRequested(f"stopped on a signal after step {step}, saved in "
+                                                f"{checkpointer.directory / f'step{step:08d}'}; rerun the same "
+                                                "command to resume", signum)
+                epoch, start_batch = epoch + 1, 0
+        finally:
+            monitor.close()
+
+        outcome = stage.finish(engine, task, step, epoch, rank)
+        dist.barrier()
+    return outcome

@@ -1,0 +1,34 @@
+"""Tiny configs, random views and a DeepSpeed engine for the training-step tests (tests/test_engine_step.py,
+on the CPU, and tests/gpu/test_gpu_paths.py, on CUDA)."""
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).parents[1]
+CONFIGS = ROOT / "configs/pretrain"
+METHOD_CONFIGS = ["simclr_digits.yaml", "simsiam_digits.yaml", "dino_digits.yaml", "tcl_digits.yaml",
+                  "supcon_digits.yaml", "contrastive_balance_digits.yaml", "smoco_digits.yaml"]
+TINY = ["model.proj_hidden_dim=32", "model.proj_out_dim=16", "data.batch_size=6", "hvs.enabled=true",
+        "hvs.max_candidates=8", "optim.lr=0.05"]
+
+
+def views_and_boxes(cfg, generator: torch.Generator):
+    from pretrain.config import views_to_draw
+
+    groups = views_to_draw(cfg)
+    batch = cfg.data.batch_size
+    views = [torch.randn(batch, g.count, 3, g.size, g.size, generator=generator) for g in groups]
+    boxes = [torch.rand(batch, g.count, 4, generator=generator).sort(dim=-1).values[..., [0, 2, 1, 3]] for g in groups]
+    return views, boxes, torch.arange(batch) % 3
+
+
+def engine_for(cfg, method):
+    import deepspeed
+
+    from pretrain.loop import LoopOptions, deepspeed_config
+    from pretrain.optim import build_optimizer
+
+    optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
+    engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
+                                                   config=deepspeed_config(LoopOptions.from_config(cfg)))
+    return engine, optimizer
