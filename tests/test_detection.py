@@ -243,6 +243,28 @@ def test_lr_schedule_warms_up_linearly_then_follows_a_cosine():
     assert np.allclose(lrs[4:], 0.05 * (1 + np.cos(np.pi * np.arange(10) / 10)))
 
 
+def test_scene_loader_resumes_mid_epoch_with_the_same_batches_and_shards_each_global_batch(tiny_scenes):
+    """Resuming at batch k of epoch e reads what the uninterrupted epoch read from batch k on; each epoch is a new
+    permutation; two ranks split each global batch without overlap."""
+    from transfer.detection import SceneLoader, load_split
+
+    split = load_split(tiny_scenes["train_json"], tiny_scenes["train_images"])
+    cpu = torch.device("cpu")
+    loader = SceneLoader(split, batch_size=4, seed=3, rank=0, world_size=1, device=cpu)
+    assert len(loader) == 3 and loader.num_images == 12
+
+    def image_ids(batches):
+        return [[int(image.sum()) for image in batch.images] for batch in batches]
+
+    whole = image_ids(loader.epoch(1))
+    assert image_ids(loader.epoch(1, start_batch=2)) == whole[2:]
+    assert image_ids(loader.epoch(0)) != whole
+    assert sorted(sum(whole, [])) == sorted(sum(image_ids(loader.epoch(0)), []))       # every scene once an epoch
+    ranks = [SceneLoader(split, batch_size=2, seed=3, rank=r, world_size=2, device=cpu) for r in (0, 1)]
+    shards = [image_ids(r.epoch(1)) for r in ranks]
+    assert len(ranks[0]) == 3 and [a + b for a, b in zip(*shards)] == whole              # rank 0 then rank 1
+
+
 def test_tiny_detection_run_writes_cocoeval_results_and_tensorboard(tmp_path, tiny_scenes, capsys):
     run_dir = tmp_path / "run"
     write_export(run_dir, step=42)
