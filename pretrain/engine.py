@@ -40,9 +40,12 @@ class Pretraining(Stage):
         check_training_data(self.cfg.data.train, self.cfg.data.backend)
 
     def check_resumable(self) -> None:
-        # What makes another run; values such as optim.lr may change on resume (from the resumed step on).
+        # What makes another run, and what the optimizer's groups hold (a resumed optimizer restores its saved
+        # groups: momentum, betas, SimSiam's fixed predictor lr, DINO's frozen last layer would silently stay as
+        # they were). Values such as optim.lr and the weight decay may change: they apply from the resumed step on.
         check_resumable(self.run_dir / "config.yaml", self.cfg,
-                        ("model.arch", "model.stem", "method.name", "model.proj_out_dim"))
+                        ("model.arch", "model.stem", "method.name", "model.proj_out_dim", "optim.name",
+                         "optim.momentum", "optim.betas", "method.fix_pred_lr", "method.freeze_last_layer_epochs"))
 
     def check_fresh_start(self) -> None:
         check_fresh_start(self.run_dir)

@@ -150,6 +150,20 @@ def test_forward_gives_student_on_all_views_and_teacher_on_the_globals():
     assert outputs["student"].requires_grad and not outputs["teacher"].requires_grad
 
 
+def test_teacher_and_last_layers_stay_fp32_under_bf16_autocast():
+    """bf16 logits divided by a teacher temperature of 0.04 would be off by ~0.1 in the exponent: under bf16
+    autocast the teacher is the fp32 teacher exactly, and both heads' prototype logits come out of fp32 layers."""
+    method = build_method(tiny_config())
+    views = random_views(4, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        fp32 = method(views)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = method(views)
+    assert bf16["teacher"].dtype == torch.float32 and torch.equal(bf16["teacher"], fp32["teacher"])
+    assert bf16["student"].dtype == torch.float32
+    assert not torch.equal(bf16["student"], fp32["student"])                   # the student's backbone ran in bf16
+
+
 def test_candidate_losses_equal_the_loop_over_sample_loss():
     method = build_method(tiny_config())
     method.center = torch.randn(64) * 0.1

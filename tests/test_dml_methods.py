@@ -114,3 +114,18 @@ def test_unlabelled_batches_are_refused_in_one_line():
     method = weighted_method()
     with pytest.raises(ConfigError, match="needs class labels, but this batch has label -1"):
         method.loss({"z": F.normalize(torch.randn(4, 1, 16), dim=-1)}, torch.tensor([0, -1, 1, 1]))
+
+
+def test_group_design_without_gathered_pairs_is_refused_on_several_processes():
+    """Eq. 25's importance weights count the pairs of the global batch: a process that sees only its share of them
+    (group design, method.gather_negatives=false, several processes) is refused; one process, gathered pairs or
+    the p-random design (whose pairs never leave a process) train."""
+    from pretrain.config_error import ConfigError
+    from pretrain.methods.weighted_contrastive import check_group_design_sees_its_pairs
+
+    for design, gather, processes in (("group", False, 1), ("group", True, 4), ("p_random", False, 4),
+                                      ("uniform", False, 4)):
+        check_group_design_sees_its_pairs(design, gather, processes)
+    with pytest.raises(ConfigError, match="gather_negatives=false on 2 processes"):
+        check_group_design_sees_its_pairs("group", False, 2)
+

@@ -74,6 +74,9 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     clash = run(pretrain_command(run_dir, digits, "model.arch=resnet34"), expect=2)
     assert "model.arch='resnet18'" in clash.stderr and "Use another run name" in clash.stderr
     assert len(clash.stderr.strip().splitlines()) == 1                     # one line, no traceback
+    # Settings the optimizer's saved groups hold (a resumed optimizer restores them) are refused by name too.
+    momentum = run(pretrain_command(run_dir, digits, "optim.momentum=0.5"), expect=2)
+    assert "optim.momentum=0.9 -> 0.5" in momentum.stderr
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 4
     # Heads of another shape: no checkpoint can be resumed; refused by name, and the record stays intact.
     shapes = run(pretrain_command(run_dir, digits, "model.proj_hidden_dim=48"), expect=2)

@@ -232,15 +232,26 @@ def _gathered_worker(rank, port, z, labels, queue):
             loss = loss_fn(local, local_labels, True)
             loss.sum().backward()
             results.append((loss.detach().numpy(), local.grad.numpy()))
+    # Hard view selection scores its candidates as training scores them: with the negatives of every process.
+    for config in SELECTION_CONFIGS:
+        method = tiny_method(config)
+        local_labels = labels[rank * half:(rank + 1) * half]
+        scores = method.candidate_losses({"z": z[rank * half:(rank + 1) * half]}, PAIRS, local_labels)
+        results.append((scores.detach().numpy(),))
     queue.put((rank, results))   # numpy: a tensor is passed as a file descriptor that dies with this process
     dist.barrier()
     dist.destroy_process_group()
 
 
+SELECTION_CONFIGS = ("simclr_digits.yaml", "tcl_supervised_digits.yaml")
+PAIRS = [(0, 1), (0, 2), (1, 2)]
+
+
 @pytest.mark.slow
 def test_gathered_negatives_equal_one_big_batch(free_port):
     """Two processes with gathered negatives compute the single-process losses of the whole batch, labels
-    gathered too, and the gradient reaching each process's embeddings is that of the whole-batch loss."""
+    gathered too, and the gradient reaching each process's embeddings is that of the whole-batch loss; hard view
+    selection's candidate scores (SimCLR pairs, supervised TCL pairs) are those of the whole batch too."""
     z, labels = unit_views(8, 3, dim=4, seed=50).float(), torch.tensor([0, 1, 2, 0, 1, 1, 3, 0])
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -260,6 +271,11 @@ def test_gathered_negatives_equal_one_big_batch(free_port):
             torch.testing.assert_close(torch.cat([got[0][0], got[1][0]]), expected.detach())
             torch.testing.assert_close(torch.cat([got[0][1], got[1][1]]), whole.grad)
             index += 1
+    for config in SELECTION_CONFIGS:
+        expected = tiny_method(config).candidate_losses({"z": z}, PAIRS, labels)        # one process, whole batch
+        got = torch.cat([torch.from_numpy(results[rank][index][0]) for rank in (0, 1)])
+        torch.testing.assert_close(got, expected.detach())
+        index += 1
 
 
 def tiny_method(config: str, *overrides: str):

@@ -19,6 +19,8 @@ Differences from facebookresearch/dino, main_dino.py, worth knowing:
   gradient norm on its own (`utils.clip_gradients`);
 - the last layer is frozen in the first epoch(s) by a learning rate of 0 (`frozen_steps`), not by dropping
   its gradients (see `param_groups`);
+- under `engine.precision=bf16` the student's backbone and head MLP run under bf16 autocast, the teacher and the
+  heads' last layers in fp32 (DINO's fp16 AMP runs everything in fp16, with 8x finer rounding than bf16);
 - schedules are per optimizer step (DINO's teacher temperature is per epoch);
 - the ViT student has no stochastic depth (Table 7's drop_path_rate 0.1): `create_backbone` takes no rate.
 """
@@ -106,7 +108,11 @@ class DINOHead(nn.Module):
         self.last_layer = WeightNormLinear(bottleneck_dim, out_dim, learn_magnitude=not norm_last_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last_layer(F.normalize(self.mlp(x), dim=-1))
+        hidden = self.mlp(x)
+        # The prototypes' logits in fp32 even under bf16 autocast: divided by temperatures of 0.04-0.1, logits
+        # rounded to bf16 (steps of ~0.004 near 1) become errors of ~0.1 in the softmax's exponent.
+        with torch.autocast(x.device.type, enabled=False):
+            return self.last_layer(F.normalize(hidden.float(), dim=-1))
 
 
 def teacher_temp_schedule(warmup_temp: float, temp: float, warmup_steps: int, total_steps: int) -> np.ndarray:
@@ -211,7 +217,9 @@ class DINO(Method):
         student = self.head(features.flatten(0, 1)).unflatten(0, features.shape[:2])
         teacher = self.teacher_on(views[0].device)
         teacher.train(self.training)
-        with torch.no_grad():
+        # The teacher runs in fp32 whatever the precision of the student: its sharpened output (temperature 0.04)
+        # is the target, and it costs one forward of the two globals without a backward.
+        with torch.no_grad(), torch.autocast(views[0].device.type, enabled=False):
             features = encode_view_groups(teacher["backbone"], [v.float() for v in views[:NUM_GLOBAL_GROUPS]])
             logits = teacher["head"](features.flatten(0, 1)).unflatten(0, features.shape[:2])
         return {"student": student, "teacher": logits}

@@ -1,7 +1,9 @@
 """SimCLR (Chen et al., ICML 2020): backbone + MLP projector, NT-Xent between two views of each image.
 
 With hard view selection (HVS appendix H.1), every pair of the N views is scored by its per-sample NT-Xent
-loss computed against the other images' views of the same pair, and the highest-loss pair is trained on.
+loss computed against the other images' views of the same pair -- of every process's images when
+method.gather_negatives, as the training loss and the HVS authors' `acs_fwd` do -- and the highest-loss pair is
+trained on.
 """
 from __future__ import annotations
 
@@ -48,9 +50,12 @@ class SimCLR(Method):
         return {"z": encode_view_groups(nn.Sequential(self.backbone, self.projector), views)}
 
     def sample_loss(self, outputs: dict[str, torch.Tensor], pair: Sequence[int], labels: torch.Tensor) -> torch.Tensor:
-        # Selection scores use the local batch as negatives: cheap and the same on every process.
+        # Scored as training scores: against the negatives of every process when method.gather_negatives (the HVS
+        # authors' acs_fwd gathers them too). Every process scores the same number of candidates, so the gathers
+        # pair up across processes.
         a, b = pair
-        return nt_xent_per_sample(outputs["z"][:, a], outputs["z"][:, b], self.temperature, **self.lambdas)
+        return nt_xent_per_sample(outputs["z"][:, a], outputs["z"][:, b], self.temperature, self.gather_negatives,
+                                  **self.lambdas)
 
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         z = outputs["z"]

@@ -81,8 +81,10 @@ class TCL(Method):
 
     def sample_loss(self, outputs: dict[str, torch.Tensor], combination: Sequence[int],
                     labels: torch.Tensor) -> torch.Tensor:
-        # Selection scores use the local batch's views at the same positions: cheap, the same on every process.
-        return self.per_sample(outputs["z"][:, list(combination)], self.class_labels(labels), False)
+        # Scored as training scores: against the views at the same positions of every process when
+        # method.gather_negatives (every process scores the same number of candidates, so the gathers pair up).
+        return self.per_sample(outputs["z"][:, list(combination)], self.class_labels(labels),
+                               self.options.gather_negatives)
 
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         z, labels = outputs["z"], self.class_labels(labels)

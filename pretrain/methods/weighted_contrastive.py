@@ -47,10 +47,22 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def check_group_design_sees_its_pairs(design_name: str, gather_negatives: bool, processes: int) -> None:
+    """The group design's importance weights (eq. 25) count every pair of the *global* batch: on several processes
+    without gathered candidates each process sees only its share of them, and the weights would be wrong."""
+    if design_name == "group" and not gather_negatives and processes > 1:
+        from pretrain.config_error import ConfigError
+
+        raise ConfigError(f"data.batch_design.name=group with method.gather_negatives=false on {processes} processes: "
+                          "the importance weights (paper 001, eq. 25) assume every pair of the global batch; set "
+                          "method.gather_negatives=true, or train on one process")
+
+
 class WeightedContrastive(TCL):
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         self.design = BatchDesign(**OmegaConf.to_container(cfg.data.batch_design))
+        check_group_design_sees_its_pairs(self.design.name, cfg.method.gather_negatives, world_size())
         self.global_batch = cfg.data.batch_size * world_size()
         self.train_path = cfg.data.train
         # N_c of the training set, read on first use (tests set it directly).
