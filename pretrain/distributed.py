@@ -12,6 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# The launcher variables `init_distributed` set itself for a group of one (no launcher): `release_distributed`
+# removes them again, so that a later run in the same process, or a process it starts, does not take them for a
+# launcher's (they would all share one MASTER_PORT).
+_VARIABLES_SET_HERE: list[str] = []
+
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     """Join (or, for a plain `python -m pretrain`, create) the process group: NCCL on GPUs, gloo on CPUs.
@@ -23,8 +28,10 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        variables = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(variables)
+        _VARIABLES_SET_HERE[:] = list(variables)
     cuda = torch.cuda.is_available() and device != "cpu"
     if not cuda:
         # DeepSpeed's CPU accelerator JIT-builds its shared-memory op (deepspeed_shm_comm) at the first start,
@@ -40,6 +47,21 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def release_distributed() -> None:
+    """End the process group (its communication threads end here, not during interpreter shutdown) and undo what
+    `init_distributed` set up for a group of one. DeepSpeed's own call also drops the groups DeepSpeed cached,
+    which a later run in this process (a pipeline, a test) would otherwise use: "Group ... is not registered"."""
+    if dist.is_initialized():
+        import deepspeed.comm
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+    for name in _VARIABLES_SET_HERE:
+        os.environ.pop(name, None)
+    _VARIABLES_SET_HERE.clear()
 
 
 def all_ranks_agree(ok: bool) -> bool:

@@ -17,8 +17,7 @@ def report(message: str) -> None:
 def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseException], ...], what: str) -> int:
     """Call `train()` and turn how it ended into the exit status; `input_errors` are the bad-input errors
     (status 2), `what` names the work in the start-up interruption message ("training", "fine-tuning")."""
-    import torch.distributed as dist
-
+    from pretrain.distributed import release_distributed
     from pretrain.divergence import TrainingDiverged
     from pretrain.graceful_stop import StopRequested
 
@@ -38,12 +37,5 @@ def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseExc
         report(f"interrupted before {what} began; nothing to save")
         return 130
     finally:
-        if dist.is_initialized():   # its communication threads end here, not during interpreter shutdown
-            import deepspeed.comm
-            # DeepSpeed's own call also drops the groups DeepSpeed cached, which a later run in this process (a
-            # pipeline, a test) would otherwise use: "Group ... is not registered".
-            if deepspeed.comm.is_initialized():
-                deepspeed.comm.destroy_process_group()
-            else:
-                dist.destroy_process_group()
+        release_distributed()
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import cv2
@@ -271,8 +272,12 @@ def test_tiny_detection_run_writes_cocoeval_results_and_tensorboard(tmp_path, ti
     tiny = ["--device", "cpu", f"data.root={tiny_scenes['root']}", *(f"data.{k}={v}" for k, v in TINY_SET.items()),
             "train.batch_size=4", "train.max_iters=3", "train.warmup_iters=2", "train.print_every=1",
             "eval.batch_size=8"]
+    environment = dict(os.environ)
     assert main(["detection", "--run", str(run_dir), *tiny]) == 0
     assert main(["detection", "--run", str(run_dir), "--from", "random", *tiny, "train.max_iters=2"]) == 0
+    # The process group of one is gone with its launcher variables: later runs started from this process (other
+    # tests' subprocesses) must not share its MASTER_PORT.
+    assert dict(os.environ) == environment
     captured = capsys.readouterr()
     assert "step 3/3" in captured.err and "Average Precision  (AP) @[ IoU=0.50:0.95" in captured.out
     scalars = read_scalars(run_dir / "tb")
