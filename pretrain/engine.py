@@ -20,21 +20,19 @@ from pretrain.atomic_write import write_text_atomically
 from pretrain.checkpoint import check_fresh_start, check_resumable
 from pretrain.config import ConfigError, run_dir_of, views_to_draw
 from pretrain.data.loader import build_view_loader, check_training_data
-from pretrain.loop import LoopOptions, Stage, run_training
+from pretrain.loop import ConfiguredStage, run_training
 from pretrain.methods import build_method
 from pretrain.methods.base import Method
-from pretrain.optim import Schedules, build_optimizer, divergence_advice, schedules_from_config
 
 
-class Pretraining(Stage):
-    """The pretraining run that `cfg` describes."""
+class Pretraining(ConfiguredStage):
+    """The pretraining run that `cfg` describes (schedules and optimizer: `ConfiguredStage`, from optim.*)."""
 
     name = "training"
 
     def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.run_dir = run_dir_of(cfg)
-        self.options = LoopOptions.from_config(cfg)
 
     def check_inputs(self) -> None:
         check_training_data(self.cfg.data.train, self.cfg.data.backend)
@@ -49,9 +47,6 @@ class Pretraining(Stage):
 
     def check_fresh_start(self) -> None:
         check_fresh_start(self.run_dir)
-
-    def divergence_advice(self) -> str:
-        return divergence_advice(self.cfg)
 
     def build_loader(self, rank: int, world_size: int, device: torch.device):
         cfg = self.cfg
@@ -68,12 +63,6 @@ class Pretraining(Stage):
 
     def build_task(self, steps_per_epoch: int, device: torch.device) -> Method:
         return build_method(self.cfg, steps_per_epoch)
-
-    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
-        return schedules_from_config(self.cfg, steps_per_epoch, global_batch)
-
-    def build_optimizer(self, task: Method, peak_lr: float) -> torch.optim.Optimizer:
-        return build_optimizer(self.cfg, task.param_groups(), peak_lr)
 
     def record(self, task: Method, steps_per_epoch: int, rank: int) -> None:
         if rank == 0:

@@ -47,7 +47,8 @@ from pretrain.distributed import finite_on_every_rank, init_distributed, paramet
 from pretrain.divergence import NonFiniteLoss, TrainingDiverged
 from pretrain.graceful_stop import GracefulStop, StopRequested
 from pretrain.monitor import TrainingMonitor
-from pretrain.optim import Schedules, set_schedule_values
+from pretrain.optim import (Schedules, build_optimizer, divergence_advice, schedules_from_config,
+                            set_schedule_values)
 from pretrain.run_lock import locked_run_directory
 from pretrain.task import BatchLoss, BatchPosition, TrainingTask
 
@@ -156,6 +157,24 @@ class Stage:
     def finish(self, engine, task: TrainingTask, step: int, epoch: int, rank: int) -> Any:
         """After the last step, on every rank; what `run_training` returns."""
         return None
+
+
+class ConfiguredStage(Stage):
+    """A stage whose config has the `optim.*` / `engine.*` schema of pretraining and fine-tuning: the loop's
+    options, the schedules, the optimizer over the task's groups and the divergence advice all come from it."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.options = LoopOptions.from_config(cfg)
+
+    def divergence_advice(self) -> str:
+        return divergence_advice(self.cfg)
+
+    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
+        return schedules_from_config(self.cfg, steps_per_epoch, global_batch)
+
+    def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
+        return build_optimizer(self.cfg, task.param_groups(), peak_lr)
 
 
 class Checkpointer:

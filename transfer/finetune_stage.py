@@ -29,8 +29,7 @@ from pretrain.config import ConfigError
 from pretrain.data.loader import build_image_loader, build_view_loader
 from pretrain.data.views import ViewBatch
 from pretrain.distributed import average_buffers
-from pretrain.loop import LoopOptions, Stage, run_training
-from pretrain.optim import Schedules, build_optimizer, divergence_advice, schedules_from_config
+from pretrain.loop import ConfiguredStage, run_training
 from pretrain.task import BatchLoss, BatchPosition, TrainingTask
 from transfer.classifier import build_classifier, layer_decay_param_groups
 from transfer.finetune_augment import BatchAugmentation, seed_batch_generators
@@ -216,15 +215,15 @@ RESUME_KEYS = ("seed", "optim", "model", "augment", "mixup", "loss", "data.label
                "data.image_size", "data.eval_crop_fraction")
 
 
-class Finetuning(Stage):
+class Finetuning(ConfiguredStage):
     """The fine-tuning of `inputs` as `cfg` describes, in RUN_DIR/finetune/NAME_FRACTION_FROM_stepNNNNNNN."""
 
     name = "fine-tuning"
 
     def __init__(self, cfg: DictConfig, inputs: FinetuneInputs):
-        self.cfg, self.inputs = cfg, inputs
+        super().__init__(cfg)
+        self.inputs = inputs
         self.run_dir = inputs.finetune_dir
-        self.options = LoopOptions.from_config(cfg)
         self.started = time.perf_counter()
         resolved = OmegaConf.to_container(cfg, resolve=True)     # what runs: the export's defaults filled in
         resolved["data"].update(train=str(inputs.train_path), val=str(inputs.val_path), image_size=inputs.image_size,
@@ -233,9 +232,6 @@ class Finetuning(Stage):
 
     def check_resumable(self) -> None:
         check_resumable(self.run_dir / "config.yaml", self.resolved, RESUME_KEYS)
-
-    def divergence_advice(self) -> str:
-        return divergence_advice(self.cfg)
 
     def seed_generators(self) -> None:
         seed_batch_generators(self.cfg.seed)
@@ -267,12 +263,6 @@ class Finetuning(Stage):
                                  seed=cfg.seed)
         bf16 = cfg.engine.precision == "bf16" or (cfg.engine.precision == "auto" and device.type == "cuda")
         return FinetuneTask(model, augmentation, val_loader, cfg.optim.layer_decay, cfg.seed, bf16, cfg.optim.epochs)
-
-    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
-        return schedules_from_config(self.cfg, steps_per_epoch, global_batch)
-
-    def build_optimizer(self, task: FinetuneTask, peak_lr: float) -> torch.optim.Optimizer:
-        return build_optimizer(self.cfg, task.param_groups(), peak_lr)
 
     def record(self, task: FinetuneTask, steps_per_epoch: int, rank: int) -> None:
         if rank == 0:
