@@ -400,11 +400,10 @@ def run_imagenet_loader_benchmark(args: argparse.Namespace) -> dict:
 def time_train_steps(cfg, steps: int, warmup: int) -> float:
     """Median seconds of one training step (selection pass included when cfg.hvs.enabled) on fixed
     random views: the model's cost alone, without the loader."""
-    import deepspeed
 
     from pretrain.config import views_to_draw
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import LoopOptions, deepspeed_config, train_step
+    from pretrain.loop import LoopOptions, initialize_engine, train_step
     from pretrain.methods import build_method
     from pretrain.optim import build_optimizer
     from pretrain.task import BatchPosition
@@ -412,8 +411,7 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
     torch.manual_seed(0)
     method = build_method(cfg)
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
-    engine, _, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
-                                         config=deepspeed_config(LoopOptions.from_config(cfg)))
+    engine, _, gradient_edits = initialize_engine(method, optimizer, LoopOptions.from_config(cfg))
     batch = cfg.data.batch_size
     groups = views_to_draw(cfg)
     views = [torch.randn(batch, g.count, 3, g.size, g.size) for g in groups]
@@ -422,7 +420,8 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()
-        train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(batch)), BatchPosition(step, 0, 0, 0))
+        train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(batch)), BatchPosition(step, 0, 0, 0),
+                   gradient_edits=gradient_edits)
         times.append(time.perf_counter() - start)
     return float(np.median(times[warmup:]))
 

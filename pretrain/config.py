@@ -52,6 +52,9 @@ class ModelConfig:
     proj_hidden_dim: int = 2048
     proj_out_dim: int = 128
     proj_layers: int = 2
+    # A BatchNorm after the projector's last linear layer: none | bn (no affine) | bn_scale (a scale, no shift:
+    # google-research/simclr). SimSiam's projector always ends with `bn`, as facebookresearch/simsiam.
+    proj_last_bn: str = "none"
     pred_hidden_dim: int = 512               # SimSiam predictor bottleneck
 
 
@@ -80,7 +83,8 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1e-4
     weight_decay_end: Optional[float] = None  # cosine weight-decay schedule to this value (None: constant)
-    grad_clip: float = 0.0                   # max gradient norm; 0 disables clipping
+    grad_clip: float = 0.0                   # max global gradient norm; 0 disables clipping
+    grad_clip_per_parameter: float = 0.0     # max gradient norm of each parameter tensor (DINO: 3.0); 0 disables
     grad_accum: int = 1                      # micro-batches per optimizer step
 
 
@@ -116,6 +120,7 @@ class Config:
 CHOICES = {
     "data.backend": ("ffcv", "torchvision"),
     "model.stem": ("imagenet", "small", "small_stride2"),
+    "model.proj_last_bn": ("none", "bn", "bn_scale"),
     "hvs.mode": ("hard", "easy"),
     "optim.name": ("sgd", "lars", "adamw"),
     "optim.lr_scaling": ("linear", "sqrt", "none"),
@@ -136,6 +141,7 @@ NUMBER_RANGES = (
     ("optim.weight_decay", ">=", 0, "weight decay"),
     ("optim.weight_decay_end", ">=", 0, "weight decay"),
     ("optim.grad_clip", ">=", 0, "max gradient norm, 0 disables clipping"),
+    ("optim.grad_clip_per_parameter", ">=", 0, "max gradient norm of each parameter, 0 disables clipping"),
     ("optim.grad_accum", ">=", 1, "micro-batches per optimizer step"),
     ("engine.checkpoint_every_steps", ">=", 0, "0: at epoch ends only"),
     ("engine.keep_checkpoints", ">=", 0, "0: keep all"),

@@ -2,7 +2,8 @@
 
     for every optimizer step of an epoch:
         set the step's learning rate and weight decay
-        grad_accum times: micro-batch -> task.batch_loss -> [finite on every rank?] -> backward -> engine.step
+        grad_accum times: micro-batch -> task.batch_loss -> [finite on every rank?] -> backward
+                          -> [last micro-batch: gradient edits] -> engine.step
         task.after_step -> [epoch end: task.after_epoch] -> log -> checkpoint (+ task.write_export)
         -> [stop signal on any rank?]
 
@@ -23,7 +24,8 @@ accumulation there: "unsupported mix of model_dtype=torch.bfloat16 and grad_accu
 
 Gradient clipping: DeepSpeed 0.19.8 clips the global gradient norm at 1.0 when its config has no
 `gradient_clipping` key (`runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0`), so `deepspeed_config`
-always writes the key: `grad_clip` when it is > 0, else 0 (no clipping).
+always writes the key: `grad_clip` when it is > 0, else 0 (no clipping). DINO's per-parameter clipping
+(`grad_clip_per_parameter`) and its frozen last layer are `pretrain/gradient_edits.py`.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from pretrain.checkpoint import resume_from_newest_loadable, run_layout, save_ch
 from pretrain.distributed import finite_on_every_rank, init_distributed, parameters_finite_on_every_rank
 from pretrain.divergence import NonFiniteLoss, TrainingDiverged
 from pretrain.graceful_stop import GracefulStop, StopRequested
+from pretrain.gradient_edits import GradientEdits
 from pretrain.monitor import TrainingMonitor
 from pretrain.optim import (Schedules, build_optimizer, divergence_advice, schedules_from_config,
                             set_schedule_values)
@@ -62,6 +65,7 @@ class LoopOptions:
     batch_size: int                 # per process and micro-batch
     grad_accum: int = 1             # micro-batches per optimizer step
     grad_clip: float = 0.0          # max global gradient norm; 0: no clipping
+    grad_clip_per_parameter: float = 0.0   # max gradient norm of each parameter tensor (DINO's); 0: none
     seed: int = 0
     zero_stage: int = 0
     precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
@@ -79,7 +83,8 @@ class LoopOptions:
     def from_config(cls, cfg: DictConfig) -> LoopOptions:
         e = cfg.engine
         return cls(epochs=cfg.optim.epochs, batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
-                   grad_clip=float(cfg.optim.grad_clip), seed=cfg.seed, zero_stage=e.zero_stage,
+                   grad_clip=float(cfg.optim.grad_clip),
+                   grad_clip_per_parameter=float(cfg.optim.grad_clip_per_parameter), seed=cfg.seed, zero_stage=e.zero_stage,
                    precision=e.precision, max_steps=e.max_steps, log_every_steps=e.log_every_steps,
                    print_every_steps=e.print_every_steps, checkpoint_every_steps=e.checkpoint_every_steps,
                    keep_checkpoints=e.keep_checkpoints,
@@ -216,9 +221,19 @@ class Checkpointer:
                                 f"{self.stage.divergence_advice()}")
 
 
-def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, bf16: bool = False) -> BatchLoss:
-    """One micro-batch: the task's loss -> [finite on every rank?] -> backward -> engine.step (DeepSpeed steps the
-    optimizer at the end of each gradient-accumulation cycle).
+def initialize_engine(task: TrainingTask, optimizer: torch.optim.Optimizer, options: LoopOptions):
+    """The DeepSpeed engine over `task` and `optimizer`, and the gradient edits its steps apply (read from the
+    optimizer's groups before DeepSpeed replaces their parameters). Returns (engine, optimizer, gradient_edits)."""
+    edits = GradientEdits(optimizer, options.grad_clip_per_parameter, options.zero_stage)
+    engine, optimizer, _, _ = deepspeed.initialize(model=task, optimizer=optimizer, config=deepspeed_config(options))
+    return engine, optimizer, edits
+
+
+def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, bf16: bool = False,
+               gradient_edits: GradientEdits | None = None) -> BatchLoss:
+    """One micro-batch: the task's loss -> [finite on every rank?] -> backward -> [last micro-batch of the step:
+    gradient edits] -> engine.step (DeepSpeed steps the optimizer at the end of each gradient-accumulation cycle,
+    clipping the global norm first when its config says so).
 
     Raises NonFiniteLoss, on every rank, before the backward of a loss that is NaN or inf on any rank: the
     parameters stay those of the last step.
@@ -235,6 +250,8 @@ def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, 
     if not finite_on_every_rank(result.loss):
         raise NonFiniteLoss(result.loss.item())
     engine.backward(result.loss)
+    if gradient_edits is not None and gradient_edits.active and engine.is_gradient_accumulation_boundary():
+        gradient_edits.apply(engine)
     engine.step()
     result.loss = result.loss.detach()
     return result
@@ -271,7 +288,7 @@ def run_training(stage: Stage) -> Any:
             task = task.to(memory_format=torch.channels_last)      # convolutions then run NHWC (tensor cores)
         schedules = stage.schedules(steps_per_epoch, o.batch_size * world_size * o.grad_accum)
         optimizer = stage.build_optimizer(task, schedules.peak_lr)
-        engine, optimizer, _, _ = deepspeed.initialize(model=task, optimizer=optimizer, config=deepspeed_config(o))
+        engine, optimizer, gradient_edits = initialize_engine(task, optimizer, o)
 
         # ==== resume: the newest checkpoint that loads, else a fresh start ====
         checkpointer = Checkpointer(engine, task, stage, run_layout(o, world_size, loader.num_images))
@@ -313,7 +330,7 @@ def run_training(stage: Stage) -> Any:
                             waited += time.perf_counter() - tick
                             position = BatchPosition(o.seed, rank, epoch, batch_index)
                             try:
-                                result = train_step(engine, task, batch, position, bf16)
+                                result = train_step(engine, task, batch, position, bf16, gradient_edits)
                             except NonFiniteLoss as error:
                                 raise checkpointer.diverged(f"the loss is {error.value} in step {step + 1}, which "
                                                             "was not applied", epoch) from None

@@ -73,21 +73,40 @@ def backbone_from_config(cfg: DictConfig) -> nn.Module:
     return create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
 
 
-def projector_from_config(cfg: DictConfig, in_dim: int, last_bn: bool = False) -> nn.Sequential:
-    """The projection MLP the `model.proj_*` keys describe, on `in_dim` backbone features."""
+def projector_from_config(cfg: DictConfig, in_dim: int, last_bn: str | None = None) -> nn.Sequential:
+    """The projection MLP the `model.proj_*` keys describe, on `in_dim` backbone features; `last_bn` (a method's
+    fixed choice) overrides `model.proj_last_bn`."""
     m = cfg.model
-    return mlp(in_dim, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers, last_bn)
+    return mlp(in_dim, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers, last_bn or m.proj_last_bn)
 
 
-def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: bool = False) -> nn.Sequential:
-    """Linear-BN-ReLU blocks then a final linear (optionally followed by a BatchNorm without affine)."""
+class ScaleOnlyBatchNorm1d(nn.BatchNorm1d):
+    """BatchNorm with a learnable scale and no shift: TensorFlow's `BatchNormalization(center=False)`, which ends
+    google-research/simclr's projection head (its last LinearLayer has use_bias=False, use_bn=True)."""
+
+    def __init__(self, num_features: int):
+        super().__init__(num_features, affine=False)
+        self.scale = nn.Parameter(torch.ones(num_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+LAST_BATCHNORMS = {"none": None, "bn": lambda dim: nn.BatchNorm1d(dim, affine=False), "bn_scale": ScaleOnlyBatchNorm1d}
+
+
+def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: str = "none") -> nn.Sequential:
+    """Linear-BN-ReLU blocks then a final linear, optionally followed by a BatchNorm (and then without bias):
+    last_bn "none"; "bn", without affine parameters (SimSiam's projector); "bn_scale", with a scale and no shift
+    (SimCLR's projector)."""
     layers: list[nn.Module] = []
     dim = in_dim
     for _ in range(num_layers - 1):
         layers += [nn.Linear(dim, hidden_dim, bias=False), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True)]
         dim = hidden_dim
-    layers.append(nn.Linear(dim, out_dim, bias=not last_bn))
-    if last_bn:
-        layers.append(nn.BatchNorm1d(out_dim, affine=False))
+    last_norm = LAST_BATCHNORMS[last_bn]
+    layers.append(nn.Linear(dim, out_dim, bias=last_norm is None))
+    if last_norm is not None:
+        layers.append(last_norm(out_dim))
     return nn.Sequential(*layers)
 

@@ -23,12 +23,9 @@ def views_and_boxes(cfg, generator: torch.Generator):
 
 
 def engine_for(cfg, method):
-    import deepspeed
-
-    from pretrain.loop import LoopOptions, deepspeed_config
+    """(engine, optimizer, gradient_edits) as the training loop builds them (`pretrain.loop.initialize_engine`)."""
+    from pretrain.loop import LoopOptions, initialize_engine
     from pretrain.optim import build_optimizer
 
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
-    engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
-                                                   config=deepspeed_config(LoopOptions.from_config(cfg)))
-    return engine, optimizer
+    return initialize_engine(method, optimizer, LoopOptions.from_config(cfg))

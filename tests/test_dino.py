@@ -297,7 +297,7 @@ def two_process_worker(out_dir: Path) -> None:
 
     from pretrain.data.views import ViewBatch
     from pretrain.distributed import init_distributed
-    from pretrain.loop import LoopOptions, deepspeed_config, train_step
+    from pretrain.loop import LoopOptions, initialize_engine, train_step
     from pretrain.task import BatchPosition
 
     rank, world, _ = init_distributed()
@@ -310,8 +310,7 @@ def two_process_worker(out_dir: Path) -> None:
         torch.manual_seed(0)
         method = build_method(cfg, steps_per_epoch=2)
         optimizer = build_optimizer(cfg, method.param_groups(), 0.01)
-        engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
-                                                       config=deepspeed_config(LoopOptions.from_config(cfg)))
+        engine, optimizer, gradient_edits = initialize_engine(method, optimizer, LoopOptions.from_config(cfg))
         student = [*method.backbone.parameters(), *method.head.parameters()]
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
             student_before = [p.detach().float().clone() for p in student]
@@ -321,7 +320,8 @@ def two_process_worker(out_dir: Path) -> None:
         views = random_views(4, generator=g)
         set_schedule_values(optimizer, 0.01, 0.04, 0.01, 0)
         train_step(engine, method, ViewBatch(views, random_boxes(views, g), torch.zeros(4, dtype=torch.long),
-                                             torch.arange(4)), BatchPosition(0, 0, 0, 0), bf16=bf16)
+                                             torch.arange(4)), BatchPosition(0, 0, 0, 0), bf16=bf16,
+                   gradient_edits=gradient_edits)
         method.after_step(engine.global_steps)
         m = float(method.momentum_schedule[0])
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):

@@ -44,7 +44,7 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
 
     from pretrain.config import load_config, views_to_draw
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import LoopOptions, deepspeed_config, train_step
+    from pretrain.loop import LoopOptions, initialize_engine, train_step
     from pretrain.methods import build_method
     from pretrain.optim import build_optimizer, set_schedule_values
     from pretrain.task import BatchPosition
@@ -65,8 +65,7 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
     if name == "weighted_contrastive":
         method.class_counts = torch.full((10,), 100)        # N_c of the training set (eq. 25's weights)
     optimizer = build_optimizer(cfg, method.param_groups(), 0.1)
-    engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=optimizer,
-                                                   config=deepspeed_config(LoopOptions.from_config(cfg)))
+    engine, optimizer, gradient_edits = initialize_engine(method, optimizer, LoopOptions.from_config(cfg))
     engine.eval()                                             # BatchNorm: running statistics (module docstring)
     for module in vars(method).values():                      # and the modules kept outside the registry
         if isinstance(module, torch.nn.Module):              # (s-MoCo's key encoder; DINO sets its teacher's mode)
@@ -76,7 +75,7 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
     set_schedule_values(optimizer, 0.1, 0.0, 0.1, 0)
     batch = ViewBatch([v[share] for v in views], [b[share] for b in boxes], LABELS[share],
                       torch.arange(GLOBAL_BATCH)[share])
-    loss = train_step(engine, method, batch, BatchPosition(0, rank, 0, 0)).loss
+    loss = train_step(engine, method, batch, BatchPosition(0, rank, 0, 0), gradient_edits=gradient_edits).loss
     method.after_step(engine.global_steps)
     with deepspeed.zero.GatheredParameters(list(method.parameters()), modifier_rank=None):
         parameters = {key: p.detach().clone() for key, p in method.named_parameters()}

@@ -48,7 +48,7 @@ def bf16_runs_for_every_method_and_stage() -> dict:
             for precision in ("fp32", "bf16") if stage == 0 else ("bf16",):
                 torch.manual_seed(0)
                 method = build_method(cfg)
-                engine, optimizer = engine_for(cfg, method)
+                engine, optimizer, gradient_edits = engine_for(cfg, method)
                 engine.train()
                 generator = torch.Generator().manual_seed(1)
                 step_losses = []
@@ -63,7 +63,8 @@ def bf16_runs_for_every_method_and_stage() -> dict:
                     set_schedule_values(optimizer, 0.001, 0.0, 0.001, step)
                     method.hvs = OmegaConf.create(hvs)
                     loss = train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
-                                      BatchPosition(step, 0, 0, 0), bf16=precision == "bf16").loss
+                                      BatchPosition(step, 0, 0, 0), bf16=precision == "bf16",
+                                      gradient_edits=gradient_edits).loss
                     method.after_step(engine.global_steps)
                     step_losses.append(loss.item())
                 losses[precision] = step_losses
@@ -102,7 +103,7 @@ def zero3_accumulation_clipping_low_resolution_selection() -> dict:
     torch.manual_seed(0)
     method = build_method(cfg).train()
     reference = copy.deepcopy(method)                  # before DeepSpeed partitions the parameters
-    engine, optimizer = engine_for(cfg, method)
+    engine, optimizer, gradient_edits = engine_for(cfg, method)
     engine.train()
     seen = []
     method.backbone.conv1.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].shape[-1]))
@@ -111,7 +112,7 @@ def zero3_accumulation_clipping_low_resolution_selection() -> dict:
     for views, boxes, labels in micro_batches:
         set_schedule_values(optimizer, lr, 0.0, lr, 0)
         train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
-                   BatchPosition(0, 0, 0, 0))
+                   BatchPosition(0, 0, 0, 0), gradient_edits=gradient_edits)
 
     # The reference: the same selection and loss in plain torch, the mean gradient, clipped, one SGD step.
     for views, boxes, labels in micro_batches:
@@ -157,12 +158,12 @@ def clipping_as_configured() -> dict:
             torch.manual_seed(0)
             method = build_method(cfg).train()
             reference = copy.deepcopy(method)
-            engine, optimizer = engine_for(cfg, method)
+            engine, optimizer, gradient_edits = engine_for(cfg, method)
             engine.train()
             views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(3))
             set_schedule_values(optimizer, lr, 0.0, lr, 0)
             train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
-                       BatchPosition(0, 0, 0, 0))
+                       BatchPosition(0, 0, 0, 0), gradient_edits=gradient_edits)
 
             outputs = reference(views)
             reference.loss({k: v.float() for k, v in outputs.items()}, labels).backward()

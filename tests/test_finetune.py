@@ -196,7 +196,7 @@ def layer_decayed_step_errors() -> dict[str, float]:
     import torch.nn.functional as F
 
     from pretrain.distributed import init_distributed
-    from pretrain.loop import LoopOptions, deepspeed_config
+    from pretrain.loop import LoopOptions, initialize_engine
     from pretrain.optim import build_optimizer, set_schedule_values
     from transfer.classifier import Classifier, layer_decay_param_groups
     from transfer.finetune_config import load_finetune_config
@@ -211,8 +211,7 @@ def layer_decayed_step_errors() -> dict[str, float]:
         model = Classifier(create_backbone("resnet18", "small_stride2", 16, False), 10)
         reference = copy.deepcopy(model)
         optimizer = build_optimizer(cfg, layer_decay_param_groups(model, cfg.optim.layer_decay), 0.1)
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                       config=deepspeed_config(LoopOptions.from_config(cfg)))
+        engine, optimizer, _ = initialize_engine(model, optimizer, LoopOptions.from_config(cfg))
         set_schedule_values(optimizer, 0.1, 0.0, 0.1, 0)
         images, labels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.arange(4)
         engine.backward(F.cross_entropy(engine(images), labels))

@@ -158,7 +158,7 @@ def two_process_worker(out_dir: Path) -> None:
 
     from pretrain.data.views import ViewBatch
     from pretrain.distributed import init_distributed
-    from pretrain.loop import LoopOptions, deepspeed_config, train_step
+    from pretrain.loop import LoopOptions, initialize_engine, train_step
     from pretrain.task import BatchPosition
     from pretrain.optim import build_optimizer, set_schedule_values
 
@@ -172,8 +172,8 @@ def two_process_worker(out_dir: Path) -> None:
                           f"method.momentum={momentum}", "optim.grad_clip=1.0", f"engine.precision={precision}")
         torch.manual_seed(0)
         method = build_method(cfg)
-        engine, optimizer, _, _ = deepspeed.initialize(model=method, optimizer=build_optimizer(
-            cfg, method.param_groups(), 0.01), config=deepspeed_config(LoopOptions.from_config(cfg)))
+        engine, optimizer, gradient_edits = initialize_engine(method, build_optimizer(cfg, method.param_groups(), 0.01),
+                                                              LoopOptions.from_config(cfg))
         student = [*method.backbone.parameters(), *method.projector.parameters()]
         keys_before = [p.clone() for p in [*method.key_encoder["backbone"].parameters(),
                                            *method.key_encoder["projector"].parameters()]]
@@ -184,7 +184,7 @@ def two_process_worker(out_dir: Path) -> None:
         labels = torch.tensor([0, 1, 2, 3]) + 10 * rank
         set_schedule_values(optimizer, 0.01, 0.0, 0.01, 0)
         train_step(engine, method, ViewBatch(views, [torch.rand(4, 2, 4, generator=g)], labels, torch.arange(4)),
-                   BatchPosition(0, 0, 0, 0), bf16=precision == "bf16")
+                   BatchPosition(0, 0, 0, 0), bf16=precision == "bf16", gradient_edits=gradient_edits)
         method.after_step(engine.global_steps)
         with deepspeed.zero.GatheredParameters(student, modifier_rank=None):
             student_after = [p.detach().float().clone() for p in student]

@@ -15,10 +15,15 @@ wraps, shards, casts or checkpoints them. They travel in the checkpoint's client
 (`state_outside_engine`) and are updated once per optimizer step (`after_step`).
 
 Differences from facebookresearch/dino, main_dino.py, worth knowing:
-- gradient clipping is DeepSpeed's global-norm clipping (`optim.grad_clip`); DINO clips every parameter's
-  gradient norm on its own (`utils.clip_gradients`);
-- the last layer is frozen in the first epoch(s) by a learning rate of 0 (`frozen_steps`), not by dropping
-  its gradients (see `param_groups`);
+- none in gradient clipping: the DINO configs clip every parameter tensor's gradient to norm 3.0 on its own
+  (`optim.grad_clip_per_parameter: 3.0`, DINO's `utils.clip_gradients`, `pretrain/gradient_edits.py`). The HVS
+  paper's Table 7 lists `clip_grad 3.0`, the name of that DINO option; the review behind this project's
+  fidelity issue read the HVS authors' DINO branch as clipping the global norm instead (that branch is on
+  anonymous.4open.science, which this project could not open to check). Their variant is
+  `optim.grad_clip=3.0 optim.grad_clip_per_parameter=0` (DeepSpeed's global-norm clipping);
+- none in the frozen last layer either: for its first `freeze_last_layer_epochs` it gets no gradient (DINO's
+  `cancel_gradients_last_layer`), so the optimizer neither moves it nor builds moments or a step count for it
+  (`frozen_steps`, `pretrain/gradient_edits.py`, which says how under ZeRO 1-3);
 - under `engine.precision=bf16` the student's backbone and head MLP run under bf16 autocast, the teacher and the
   heads' last layers in fp32 (DINO's fp16 AMP runs everything in fp16, with 8x finer rounding than bf16);
 - schedules are per optimizer step (DINO's teacher temperature is per epoch);
@@ -57,7 +62,7 @@ class Options:
     warmup_teacher_temp_epochs: float = 0.0
     momentum_teacher: float = 0.996          # EMA momentum at step 0, cosine to 1 at the end of the run
     center_momentum: float = 0.9
-    freeze_last_layer_epochs: float = 1.0    # the last layer's lr is 0 during these first epochs
+    freeze_last_layer_epochs: float = 1.0    # the last layer gets no gradient during these first epochs
     export: str = "teacher"                  # backbone written to backbone.pth: teacher | student
 
 
@@ -304,9 +309,8 @@ class DINO(Method):
         return value_at(self.momentum_schedule, self.steps_done - 1)
 
     def param_groups(self) -> list[dict]:
-        # The last layer gets lr 0 for its first `frozen_steps` (DINO: `cancel_gradients_last_layer`). Unlike
-        # DINO, which drops those gradients, the optimizer still sees them: AdamW / SGD momentum accumulate
-        # them (and the global-norm clipping counts them), so the first unfrozen updates carry that history.
+        # The last layer gets no gradient in its first `frozen_steps` (DINO's `cancel_gradients_last_layer`;
+        # `pretrain/gradient_edits.py` reads the group flag), so it is in groups of its own.
         body = nn.ModuleList([self.backbone, self.head.mlp])
         groups = split_decay_groups(body) + split_decay_groups(self.head.last_layer, frozen_steps=self.frozen_steps)
         return [group for group in groups if group["params"]]

@@ -4,6 +4,10 @@ With hard view selection (HVS appendix H.1), every pair of the N views is scored
 loss computed against the other images' views of the same pair -- of every process's images when
 method.gather_negatives, as the training loss and the HVS authors' `acs_fwd` do -- and the highest-loss pair is
 trained on.
+
+The projector is `model.proj_*`'s MLP; the SimCLR configs end it with a BatchNorm with a scale and no shift
+after a linear layer without bias (`model.proj_last_bn: bn_scale`), as google-research/simclr's projection head
+and the HVS paper's Table 9 (`use_bn_in_head: true`); `model.proj_last_bn=none` ends it with a plain linear layer.
 """
 from __future__ import annotations
 

@@ -2,6 +2,10 @@
 
 HVS (Ferreira et al.) eq. 2: score every pair of the N views by the per-sample loss of eq. 1 and train on
 the highest-loss pair. `method.fix_pred_lr` keeps the predictor at the base learning rate, as the paper.
+
+Weight decay applies to every parameter, biases and BatchNorm included, as facebookresearch/simsiam's
+main_simsiam.py (and the HVS authors' SimSiam) pass all of them to SGD with weight_decay 1e-4; SimCLR, BYOL-style
+LARS recipes and DINO exclude them, SimSiam does not.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from pretrain.losses.negative_cosine import negative_cosine_per_sample
-from pretrain.methods.base import Method, encode_view_groups, require_one_view_group, split_decay_groups
+from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import backbone_from_config, mlp, projector_from_config
 
 
@@ -28,7 +32,7 @@ class SimSiam(Method):
         super().__init__(cfg, steps_per_epoch)
         m = cfg.model
         self.backbone = backbone_from_config(cfg)
-        self.projector = projector_from_config(cfg, self.backbone.num_features, last_bn=True)
+        self.projector = projector_from_config(cfg, self.backbone.num_features, last_bn="bn")
         self.predictor = mlp(m.proj_out_dim, m.pred_hidden_dim, m.proj_out_dim, 2)
         self.fix_pred_lr = cfg.method.fix_pred_lr
 
@@ -47,8 +51,9 @@ class SimSiam(Method):
         return negative_cosine_per_sample(p[:, a], z[:, a], p[:, b], z[:, b])
 
     def param_groups(self) -> list[dict]:
-        encoder = nn.ModuleList([self.backbone, self.projector])
-        return split_decay_groups(encoder) + split_decay_groups(self.predictor, fixed_lr=self.fix_pred_lr)
+        # No `no_decay` group: SimSiam decays everything (module docstring).
+        encoder = [*self.backbone.parameters(), *self.projector.parameters()]
+        return [{"params": encoder}, {"params": list(self.predictor.parameters()), "fixed_lr": self.fix_pred_lr}]
 
 
 METHOD = SimSiam

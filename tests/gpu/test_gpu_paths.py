@@ -47,14 +47,15 @@ def test_bf16_step_is_the_fp32_step_within_bf16_rounding(config):
     for precision in ("fp32", "bf16"):
         torch.manual_seed(0)
         method = build_method(cfg).to(CUDA)
-        engine, optimizer = engine_for(cfg, method)
+        engine, optimizer, gradient_edits = engine_for(cfg, method)
         engine.train()
         views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(1))
         views = [v[:, :c].to(CUDA) for v, c in zip(views, method.train_counts)]
         boxes = [b[:, :c].to(CUDA) for b, c in zip(boxes, method.train_counts)]
         set_schedule_values(optimizer, 0.001, 0.0, 0.001, 0)
         loss = train_step(engine, method, ViewBatch(views, boxes, labels.to(CUDA), torch.arange(len(labels))),
-                          BatchPosition(0, 0, 0, 0), bf16=precision == "bf16").loss
+                          BatchPosition(0, 0, 0, 0), bf16=precision == "bf16",
+                          gradient_edits=gradient_edits).loss
         losses[precision] = loss.item()
         assert all(p.dtype == torch.float32 for p in method.parameters())        # fp32 masters
     assert math.isfinite(losses["bf16"])
@@ -115,7 +116,7 @@ def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
                                                       "hvs.enabled=false", "method.momentum_teacher=0.9"])
     torch.manual_seed(0)
     method = build_method(cfg, steps_per_epoch=2).to(CUDA)
-    engine, optimizer = engine_for(cfg, method)
+    engine, optimizer, gradient_edits = engine_for(cfg, method)
     engine.train()
     views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(5))
     views = [v[:, :c].to(CUDA) for v, c in zip(views, method.train_counts)]
@@ -124,7 +125,7 @@ def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
     teacher_before = [p.clone() for p in [*method.teacher["backbone"].parameters(), *method.teacher["head"].parameters()]]
     set_schedule_values(optimizer, 0.01, 0.04, 0.01, 0)
     train_step(engine, method, ViewBatch(views, boxes, labels.to(CUDA), torch.arange(len(labels))),
-               BatchPosition(0, 0, 0, 0), bf16=True)
+               BatchPosition(0, 0, 0, 0), bf16=True, gradient_edits=gradient_edits)
     method.after_step(engine.global_steps)
     m = float(method.momentum_schedule[0])
     student = [*method.backbone.parameters(), *method.head.parameters()]
