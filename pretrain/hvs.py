@@ -100,8 +100,8 @@ def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, vie
         forward: the model's forward, e.g. the DeepSpeed engine; called once on the whole pool, in the mode
           the model is in (train mode in training). Every buffer of `method.modules_with_buffers()`
           (BatchNorm running statistics, DINO's teacher's) is left exactly as it was.
-        method: provides `candidate_losses(outputs, combinations, labels) -> (B, C)`, `iou_views` and
-          `modules_with_buffers()`.
+        method: provides `candidate_losses(outputs, combinations, labels) -> (B, C)`, `iou_views`,
+          `selection_scalars(outputs, combinations, pick)` and `modules_with_buffers()`.
         views: per group, (B, pool_g, C, H, W) views; boxes: per group, (B, pool_g, 4) their crop boxes.
         labels: (B,) class labels (-1 unknown), for supervised methods.
         counts: views per group that one combination takes (the method's training views).
@@ -134,7 +134,8 @@ def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, vie
         chosen_boxes.append(b[rows, local])
         start, offset = start + count, offset + size
     all_boxes = torch.cat(boxes, dim=1)
-    stats = selection_stats(scores, pick, all_boxes, table, method.iou_views)
+    stats = {**selection_stats(scores, pick, all_boxes, table, method.iou_views),
+             **method.selection_scalars(outputs, candidates, pick)}
     return Selection(views=chosen_views, boxes=chosen_boxes, chosen=chosen, scores=scores, stats=stats)
 
 

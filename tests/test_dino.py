@@ -178,6 +178,49 @@ def test_candidate_losses_equal_the_loop_over_sample_loss():
                           Method.candidate_losses(method, outputs, capped, None), atol=1e-5)
 
 
+def test_kl_score_is_the_cross_entropy_less_the_teacher_entropy_by_brute_force():
+    """method.hvs_score=kl scores a candidate by the mean over its DINOLoss pairs of KL(P_t || P_s), written here
+    as sum_k p_k (log p_k - log q_k) one pair at a time."""
+    method = build_method(tiny_config("method.hvs_score=kl"))
+    method.center = torch.randn(64) * 0.01            # logits ~ temperature: teachers neither flat nor one-hot
+    g = torch.Generator().manual_seed(4)
+    outputs = {"student": torch.randn(3, 8, 64, generator=g), "teacher": torch.randn(3, 4, 64, generator=g) * 0.05}
+    combinations = candidate_combinations([1, 1, 2], [2, 2, 4])
+    fast = method.candidate_losses(outputs, combinations, None)
+    t_temp, s_temp = method.teacher_temp(), method.student_temp
+    for c, combination in enumerate(combinations):
+        kls = []
+        for a in range(2):
+            for b in range(len(combination)):
+                if a == b:
+                    continue
+                log_p = torch.log_softmax((outputs["teacher"][:, combination[a]] - method.center) / t_temp, dim=-1)
+                log_q = torch.log_softmax(outputs["student"][:, combination[b]] / s_temp, dim=-1)
+                kls.append((log_p.exp() * (log_p - log_q)).sum(-1))
+        torch.testing.assert_close(fast[:, c], torch.stack(kls).mean(0), rtol=1e-4, atol=1e-4)
+    cross_entropy = build_method(tiny_config())
+    cross_entropy.center = method.center
+    assert (cross_entropy.candidate_losses(outputs, combinations, None) - fast).min() > 0   # H(P_t) > 0
+
+
+def test_selection_logs_the_teacher_entropy_of_the_chosen_and_the_mean_candidate():
+    method = build_method(tiny_config()).train()
+    g = torch.Generator().manual_seed(6)
+    views = random_views(5, (2, 2, 6), g)
+    selection = select_hard_views(method, method, views, random_boxes(views, g), torch.zeros(5), method.train_counts)
+    with torch.no_grad():
+        teacher = method(views)["teacher"]                                  # (5, 4, K): the 4 globals of the pool
+    entropy = -(torch.softmax((teacher - method.center) / method.teacher_temp(), -1)
+                * torch.log_softmax((teacher - method.center) / method.teacher_temp(), -1)).sum(-1)
+    combinations = candidate_combinations(method.train_counts, [2, 2, 6])
+    per_candidate = torch.stack([entropy[:, list(c[:2])].mean(-1) for c in combinations], dim=1)    # (5, C)
+    chosen = [combinations.index(tuple(row)) for row in selection.chosen.tolist()]
+    assert selection.stats["hvs/selected_teacher_entropy"] == pytest.approx(
+        per_candidate[torch.arange(5), chosen].mean().item(), rel=1e-4)
+    assert selection.stats["hvs/mean_candidate_teacher_entropy"] == pytest.approx(per_candidate.mean().item(),
+                                                                                  rel=1e-4)
+
+
 def test_selection_in_train_mode_is_the_brute_force_argmax_then_the_centre_moves_once_per_step():
     """In train mode, as the engine runs it: the chosen combination of every sample is the argmax of its
     per-candidate losses computed one by one on a forward of the same pool; the centre moves once per
@@ -272,6 +315,7 @@ def test_state_outside_engine_round_trip():
     (["data.views.0.count=2"], r"two global crop groups of count 1, then local crop groups; got counts \[2, 1, 4\]"),
     (["data.views.1.count=4"], "Write e.g. data.views"),
     (["method.export=bogus"], "method.export='bogus' is not one of"),
+    (["method.hvs_score=entropy"], "method.hvs_score='entropy' is not one of"),
     (["method.teacher_temp=0"], "must be positive"),
     (["method.momentum_teacher=1.5"], r"must lie in \[0, 1\]"),
 ])

@@ -85,3 +85,15 @@ def dino_loss_per_sample(student_logits: torch.Tensor, teacher_logits: torch.Ten
     keep = torch.ones(teachers, students, dtype=torch.bool, device=table.device)
     keep[torch.arange(teachers), torch.arange(teachers)] = False
     return table[:, keep].mean(dim=1)
+
+
+def dino_teacher_entropy(teacher_logits: torch.Tensor, center: torch.Tensor, teacher_temp: float) -> torch.Tensor:
+    """H(P_t(view i)) = - sum_k P_t(x)_k log P_t(x)_k, in nats: (B, T, K) teacher logits -> (B, T).
+
+    The cross-entropy of the loss splits as H(P_t, P_s) = H(P_t) + KL(P_t || P_s): a flatter teacher raises it
+    whatever the student does (log K for a uniform teacher, 0 for a one-hot one). Hard view selection that
+    scores by the cross-entropy therefore prefers views whose teacher output is flattest; scoring by the KL
+    alone (`method.hvs_score=kl`) removes that term.
+    """
+    log_probs = F.log_softmax((teacher_logits.detach().float() - center) / teacher_temp, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)

@@ -21,6 +21,7 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
     batch_loss(engine, batch, position, autocast)   a ViewBatch -> (hard view selection) -> forward -> loss
     sample_loss(outputs, combination, labels) -> (B,)   per-sample loss of one combination
     candidate_losses(outputs, combinations, labels) -> (B, C)   all candidates (override to share work)
+    selection_scalars(outputs, combinations, pick) -> {name: float}   extra hvs/* scalars (DINO: teacher entropy)
     loss(outputs, labels) -> scalar           the training loss on the chosen views
     param_groups() -> [dict, ...]             optimizer groups; flags: no_decay, fixed_lr, frozen_steps
     after_step(step)                          EMA teacher / queue updates, once per optimizer step
@@ -108,6 +109,11 @@ class Method(TrainingTask):
 
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         return self.sample_loss(outputs, range(sum(self.train_counts)), labels).mean()
+
+    def selection_scalars(self, outputs: dict[str, torch.Tensor], combinations: Sequence[Sequence[int]],
+                          pick: torch.Tensor) -> dict[str, float]:
+        """Method-specific hvs/* scalars of a selection (pick: (B,) the chosen candidate of every sample)."""
+        return {}
 
     def param_groups(self) -> list[dict]:
         return split_decay_groups(self)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
+from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample, dino_teacher_entropy
 from pretrain.methods.base import Method, encode_view_groups, split_decay_groups
 from pretrain.models import backbone_from_config
 from pretrain.optim import cosine_schedule
@@ -64,6 +64,9 @@ class Options:
     center_momentum: float = 0.9
     freeze_last_layer_epochs: float = 1.0    # the last layer gets no gradient during these first epochs
     export: str = "teacher"                  # backbone written to backbone.pth: teacher | student
+    # Hard view selection's score of a candidate: cross_entropy (the HVS paper's and its authors' code: the
+    # training loss) | kl (the cross-entropy minus the teacher's entropy, which does not favour flat teachers)
+    hvs_score: str = "cross_entropy"
 
 
 class WeightNormLinear(nn.Module):
@@ -148,6 +151,7 @@ class DINO(Method):
         self.student_temp = o.student_temp
         self.center_momentum = o.center_momentum
         self.export = o.export
+        self.hvs_score = o.hvs_score
         self.sync_batchnorm = cfg.engine.sync_batchnorm
 
         # Outside the module registry (see the module docstring): fp32, no gradients.
@@ -181,6 +185,9 @@ class DINO(Method):
                 "blur_p: 1.0}, {count: 1, size: 224, scale: [0.4, 1.0], blur_p: 0.1, solarize_p: 0.2}, "
                 "{count: 8, size: 96, scale: [0.05, 0.4], blur_p: 0.5}] (with hard view selection, the pools "
                 "go in hvs.num_views, e.g. [2, 2, 16])")
+        if o.hvs_score not in ("cross_entropy", "kl"):
+            raise ConfigError(f"method.hvs_score={o.hvs_score!r} is not one of ('cross_entropy', 'kl'); the HVS paper "
+                              "scores by the cross-entropy")
         if o.export not in ("teacher", "student"):
             raise ConfigError(f"method.export={o.export!r} is not one of ('teacher', 'student'); DINO evaluates "
                               "the teacher's backbone")
@@ -240,16 +247,35 @@ class DINO(Method):
 
     def candidate_losses(self, outputs: dict[str, torch.Tensor], combinations: Sequence[Sequence[int]],
                          labels: torch.Tensor) -> torch.Tensor:
-        """All candidates from one (B, teacher pool, student pool) cross-entropy table."""
+        """All candidates from one (B, teacher pool, student pool) cross-entropy table; with
+        `method.hvs_score=kl` every term less its teacher view's entropy (H(P_t, P_s) - H(P_t) = KL(P_t || P_s))."""
         student = outputs["student"]
-        table = dino_cross_entropy_table(student, outputs["teacher"], self.center.to(student.device),
-                                         self.student_temp, self.teacher_temp())
-        combos = torch.as_tensor(combinations, device=student.device)                       # (C, k)
-        k = combos.shape[1]
-        terms = [(a, b) for a in range(NUM_GLOBAL_GROUPS) for b in range(k) if b != a]      # DINOLoss's pairs
-        teacher_index = combos[:, [a for a, _ in terms]]                                    # (C, P)
-        student_index = combos[:, [b for _, b in terms]]
+        center = self.center.to(student.device)
+        table = dino_cross_entropy_table(student, outputs["teacher"], center, self.student_temp, self.teacher_temp())
+        if self.hvs_score == "kl":
+            table = table - dino_teacher_entropy(outputs["teacher"], center, self.teacher_temp())[:, :, None]
+        teacher_index, student_index = self.candidate_terms(combinations, student.device)
         return table[:, teacher_index, student_index].mean(dim=-1)                          # (B, C)
+
+    @staticmethod
+    def candidate_terms(combinations: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(C, P) teacher and student view indices of the P = DINOLoss pairs of every candidate."""
+        combos = torch.as_tensor(combinations, device=device)                               # (C, k)
+        k = combos.shape[1]
+        terms = [(a, b) for a in range(NUM_GLOBAL_GROUPS) for b in range(k) if b != a]
+        return combos[:, [a for a, _ in terms]], combos[:, [b for _, b in terms]]
+
+    def selection_scalars(self, outputs: dict[str, torch.Tensor], combinations: Sequence[Sequence[int]],
+                          pick: torch.Tensor) -> dict[str, float]:
+        """The teacher entropy of the chosen candidate (the mean over its two globals) against the mean candidate:
+        scoring by the cross-entropy favours flat teachers (`dino_teacher_entropy`), which this shows."""
+        teacher = outputs["teacher"]
+        entropy = dino_teacher_entropy(teacher, self.center.to(teacher.device), self.teacher_temp())     # (B, T)
+        globals_of = torch.as_tensor(combinations, device=teacher.device)[:, :NUM_GLOBAL_GROUPS]       # (C, 2)
+        per_candidate = entropy[:, globals_of].mean(dim=-1)                                             # (B, C)
+        rows = torch.arange(len(pick), device=pick.device)
+        return {"hvs/selected_teacher_entropy": per_candidate[rows, pick].mean().item(),
+                "hvs/mean_candidate_teacher_entropy": per_candidate.mean().item()}
 
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         loss = super().loss(outputs, labels)
