@@ -12,6 +12,10 @@ Two edits from facebookresearch/dino's main_dino.py, which DeepSpeed has no opti
 
 How, per ZeRO stage (the gradients live in `p.grad` under stage 0, in DeepSpeed's flat partitions under 1-3):
 
+- clipping works on this rank's piece of every reduced gradient (`local_gradient`) and all-reduces one vector of
+  squared norms, not the gradients themselves (`deepspeed.utils.safe_get_full_grad` would all-reduce every
+  whole gradient, doubling a step's communication);
+
 - stage 0: `p.grad = None`, exactly as DINO; torch's optimizers skip such a parameter.
 - stages 1-3: a flat partition holds several parameters and cannot skip one, so the frozen parameters' gradients
   are set to 0 (`deepspeed.utils.safe_set_full_grad`) and their group's lr is 0 (`set_schedule_values`): they
@@ -24,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from deepspeed.utils import safe_update_full_grad_vectorized
+import torch.distributed as dist
+from deepspeed.utils import safe_get_local_grad, safe_set_local_grad, safe_update_full_grad_vectorized
 
 
 @dataclass(frozen=True)
@@ -57,18 +62,38 @@ class GradientEdits:
         step = engine.global_steps
         frozen_now = {id(p) for group in self.frozen if step < group.steps for p in group.params}
         if self.clip > 0:
-            clip = self.clip
-
-            def clipped(grad: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-                # DINO's clip_gradients: scale by clip / (norm + 1e-6) when that is below 1
-                return grad * min(1.0, clip / (float(grad.norm()) + 1e-6))
-
-            safe_update_full_grad_vectorized([p for p in self.params if id(p) not in frozen_now], clipped)
+            self.clip_each_parameter([p for p in self.params if id(p) not in frozen_now])
         for group in self.frozen:
             if step < group.steps:
                 self.cancel(group)
             elif step == group.steps and self.zero_stage > 0:
                 self.restart_optimizer_state(engine, group)
+
+    def clip_each_parameter(self, params: list[torch.nn.Parameter]) -> None:
+        """DINO's clip_gradients: every gradient times min(1, clip / (its norm + 1e-6))."""
+        pieces = [self.local_gradient(p) for p in params]
+        squares = torch.stack([piece.float().pow(2).sum() if piece is not None else torch.zeros(())
+                               for piece in pieces]) if pieces else torch.zeros(0)
+        if self.zero_stage > 0 and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(squares)                # the pieces of one gradient lie on several ranks
+        scales = (self.clip / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for p, piece, scale in zip(params, pieces, scales.tolist()):
+            if piece is None or scale == 1.0:
+                continue
+            if hasattr(p, "ds_id"):                 # ZeRO 3: a copy of the local partition; write it back
+                safe_set_local_grad(p, piece * scale)
+            else:                                   # p.grad, or a view into ZeRO 1-2's flat partition
+                piece.mul_(scale)
+
+    def local_gradient(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """This rank's piece of p's reduced gradient (None: this rank holds none of it). ZeRO 1-2 reach it through
+        the fragment mapping DeepSpeed keeps for its `safe_*` functions (`_hp_mapping`)."""
+        if self.zero_stage == 0:
+            return p.grad
+        if hasattr(p, "ds_id"):
+            return safe_get_local_grad(p)
+        mapping = getattr(p, "_hp_mapping", None)
+        return None if mapping is None else mapping.get_lp_grad_fragment(p._index_in_param_group)
 
     def cancel(self, group: FrozenGroup) -> None:
         if self.zero_stage == 0:

@@ -2,8 +2,8 @@
 
 The commonest bug of distributed contrastive learning is a gradient off by the world size, or missing the other
 processes' contribution. Here every method takes one plain SGD step (no momentum, no weight decay, no clipping)
-from the same weights on a global batch of 8 images: two processes (gloo) with 4 images each under ZeRO 0, 2
-and 3, against one process with all 8. The updated parameters and what the method keeps outside the engine
+from the same weights on a global batch of 8 images: two processes (gloo) with 4 images each under ZeRO 0, 1,
+2 and 3, against one process with all 8. The updated parameters and what the method keeps outside the engine
 (DINO's teacher and centre, s-MoCo's key encoder and queue) must agree within float tolerance.
 
 BatchNorm: the modules run in eval mode (running statistics, the same in every process). In train mode the batch
@@ -29,12 +29,14 @@ CASES = {   # name: (config, overrides)
     "tcl": ("tcl_digits.yaml", []),
     "tcl_supervised": ("tcl_supervised_digits.yaml", []),
     "dino": ("dino_digits.yaml", ["method.out_dim=64", "method.freeze_last_layer_epochs=0"]),
+    # DINO's gradient edits act on the reduced gradient: every tensor clipped, the frozen last layer left alone
+    "dino_clip_each_parameter": ("dino_digits.yaml", ["method.out_dim=64", "optim.grad_clip_per_parameter=0.01"]),
     "smoco": ("smoco_digits.yaml", []),
     "smoco_minibatch": ("smoco_digits.yaml", ["method.memory_size=0"]),
     "contrastive_balance": ("contrastive_balance_digits.yaml", []),
     "weighted_contrastive": ("weighted_contrastive_digits.yaml", ["data.batch_design.images_per_class=2"]),
 }
-STAGES = (0, 2, 3)
+STAGES = (0, 1, 2, 3)
 
 
 def step_once(name: str, stage: int, world: int, rank: int) -> dict:
@@ -51,9 +53,9 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
 
     config, overrides = CASES[name]
     cfg = load_config(CONFIGS / config, [
-        *overrides, f"data.batch_size={GLOBAL_BATCH // world}", "hvs.enabled=false", f"engine.zero_stage={stage}",
-        "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.grad_clip=0",
-        "model.proj_hidden_dim=32", "model.proj_out_dim=16"])
+        f"data.batch_size={GLOBAL_BATCH // world}", "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=sgd",
+        "optim.momentum=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.grad_clip_per_parameter=0",
+        "model.proj_hidden_dim=32", "model.proj_out_dim=16", *overrides])
     generator = torch.Generator().manual_seed(1)
     groups = views_to_draw(cfg)
     views = [torch.randn(GLOBAL_BATCH, g.count, 3, g.size, g.size, generator=generator) for g in groups]
