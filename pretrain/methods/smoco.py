@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from pretrain.distributed import with_sync_batchnorm
 from pretrain.losses.pair_weighting import PairWeighting, pair_weighting_per_anchor
 from pretrain.losses.supcon import contrast_set
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
@@ -91,6 +92,7 @@ class SMoCo(Method):
         self.hard_negative_similarity = o.hard_negative_similarity
         self.drift_every_steps, self.drift_probe_size = o.drift_every_steps, o.drift_probe_size
         self.gather_negatives = o.gather_negatives
+        self.sync_batchnorm = cfg.engine.sync_batchnorm
 
         # Outside the module registry (see the module docstring): fp32, no gradients.
         key_encoder = copy.deepcopy(nn.ModuleDict({"backbone": self.backbone, "projector": self.projector}))
@@ -129,7 +131,9 @@ class SMoCo(Method):
 
     # ==== key encoder, queue ====
     def place(self, device: torch.device) -> None:
-        """The first time: key encoder and queue on `device`, the key encoder equal to rank 0's everywhere."""
+        """The first time: key encoder and queue on `device`, the key encoder equal to rank 0's everywhere and, on
+        GPUs with several processes, with SyncBatchNorm as the student has (`with_sync_batchnorm`, as DINO's teacher):
+        otherwise the keys would be normalised with one process's statistics and the queries with the global batch's."""
         if self.placed:
             return
         self.key_encoder.to(device)
@@ -141,6 +145,7 @@ class SMoCo(Method):
         if world_size() > 1:
             for tensor in self.key_encoder.state_dict().values():
                 dist.broadcast(tensor, src=0)
+        self.__dict__["key_encoder"] = with_sync_batchnorm(self.key_encoder, device, world_size(), self.sync_batchnorm)
         self.placed = True
 
     def encode_keys(self, views: list[torch.Tensor]) -> torch.Tensor:
