@@ -74,9 +74,17 @@ def backbone_from_config(cfg: DictConfig) -> nn.Module:
 
 
 def projector_from_config(cfg: DictConfig, in_dim: int, last_bn: bool = False) -> nn.Sequential:
-    """The projection MLP the `model.proj_*` keys describe, on `in_dim` backbone features."""
+    """The projection MLP the `model.proj_*` keys describe, on `in_dim` backbone features. model.proj_layers=1 is
+    one linear layer (with bias), the embedding layer of the metric-learning papers 001 and 002."""
+    return mlp(**projector_shape(cfg, in_dim), last_bn=last_bn)
+
+
+def projector_shape(cfg: DictConfig, in_dim: int) -> dict[str, int]:
+    """The `mlp` arguments (in_dim, hidden_dim, out_dim, num_layers) of `projector_from_config`: what an export
+    records to rebuild the projector without the config's schema."""
     m = cfg.model
-    return mlp(in_dim, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers, last_bn)
+    return {"in_dim": int(in_dim), "hidden_dim": int(m.proj_hidden_dim), "out_dim": int(m.proj_out_dim),
+            "num_layers": int(m.proj_layers)}
 
 
 def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: bool = False) -> nn.Sequential:

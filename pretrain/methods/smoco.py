@@ -26,6 +26,14 @@ Logged (`scalars()`):
   encoder). The probe is embedded in train mode (BatchNorm on the probe's batch statistics, as the
   memory is filled) and every buffer is left as it was.
 
+The embedding: the paper adds one fully-connected layer with L2 normalisation after the global pooling of its
+ImageNet-pretrained backbone (128 dimensions on ResNet-50; section 4); `model.proj_layers: 1` (the digits config)
+is that layer, `model.proj_layers: 2` the MLP of the self-supervised methods. The export carries the trained
+encoder's head (`embedding_head_to_export`; the key encoder is its running average): `python -m eval retrieval`
+evaluates the embedding by default, as the paper does, and `--features backbone` the backbone's features. The
+paper's recipe (Adam with coupled weight decay 5e-4, the lr / 10 at 50% and 80% of training, 4 images per
+class in a batch) and what the digits config keeps of it: configs/pretrain/smoco_digits.yaml.
+
 The key encoder and the queue live outside the nn.Module registry (`self.__dict__`), in fp32, like DINO's
 teacher (pretrain/methods/dino.py): DeepSpeed never wraps, shards or checkpoints them; the student's
 parameters are gathered under ZeRO-3 for the momentum update; they are saved in the checkpoint's client
@@ -307,6 +315,9 @@ class SMoCo(Method):
         for name in ("probe", "probe_embedding"):
             self.__dict__[name] = None if state[name] is None else state[name].to(device)
         self.steps_done = int(state["steps_done"])
+
+    def embedding_head_to_export(self) -> nn.Module:
+        return self.projector
 
     def modules_with_buffers(self) -> list[nn.Module]:
         return [self, self.key_encoder]        # the key encoder's BatchNorm statistics move in its forward too
