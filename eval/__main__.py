@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from eval.features import (BackboneExport, EvaluationInputError, evaluation_crop_fraction, evaluation_image_size,
+from eval.features import (BackboneExport, EvaluationInputError, embed, evaluation_crop_fraction, evaluation_image_size,
                            extract_features, load_backbone_export, resolve_beton_path, resolve_checkpoint_path,
                            resolve_device)
 from eval.knn import weighted_knn
@@ -167,9 +167,20 @@ def run_linear(args: argparse.Namespace) -> Path:
 
 def run_retrieval(args: argparse.Namespace) -> Path:
     """Retrieval (Recall@k, precision@1, R-precision, MAP@R, R-mAP) and k-means NMI among the validation images,
-    with --split-classes among those of the second half of the classes (the DML split); returns the JSON."""
+    with --split-classes among those of the second half of the classes (the DML split); returns the JSON.
+
+    The images are ranked by the embedding the method trained (its exported head on the backbone's features) when
+    the export has one, else by the backbone's features; --features chooses. The default's result is
+    `retrieval`, the backbone's of an export with a head `retrieval_backbone` (both can be kept)."""
     started = time.perf_counter()
     inputs = EvaluationInputs(args)
+    head = inputs.export.embedding_head
+    default = "embedding" if head is not None else "backbone"
+    evaluated = args.features or default
+    if evaluated == "embedding" and head is None:
+        raise EvaluationInputError(f"{inputs.checkpoint} has no embedding head (its method trains none, or it was "
+                                   "exported before heads were): evaluate its backbone with --features backbone")
+    protocol = "retrieval" if evaluated == default else f"retrieval_{evaluated}"
     features = inputs.features()
     val_features, val_labels = features["val_features"], features["val_labels"]
     if len(val_labels) and int(val_labels.min()) < 0:
@@ -183,17 +194,21 @@ def run_retrieval(args: argparse.Namespace) -> Path:
             raise EvaluationInputError(f"--split-classes keeps the images of classes {num_classes // 2}-"
                                        f"{num_classes - 1} of {inputs.val_path}, and it has none")
         val_features, val_labels = val_features[keep], val_labels[keep]
+    if evaluated == "embedding":
+        val_features = embed(head, val_features.to(inputs.device)).cpu()
     metrics = retrieval_metrics(val_features.to(inputs.device), val_labels, ks=args.ks, chunk_size=args.chunk_size)
     metrics["nmi"] = clustering_nmi(val_features, val_labels, seed=args.seed)
     seconds = time.perf_counter() - started
     tags = {"precision@1": "precision_at_1", "r_precision": "r_precision", "map@r": "map_at_r", "r_map": "r_map",
             "nmi": "nmi", **{f"recall@{k}": f"recall_at_{k}" for k in args.ks}}
     classes_evaluated = sorted(int(c) for c in torch.unique(val_labels))
-    path = write_results(inputs, "retrieval", metrics["recall@1"] if 1 in args.ks else metrics["precision@1"],
-                         {f"eval/retrieval_{tag}": metrics[name] for name, tag in tags.items()},
-                         {**metrics, "split_classes": bool(args.split_classes), "classes": classes_evaluated,
+    path = write_results(inputs, protocol, metrics["recall@1"] if 1 in args.ks else metrics["precision@1"],
+                         {f"eval/{protocol}_{tag}": metrics[name] for name, tag in tags.items()},
+                         {**metrics, "features": evaluated, "dimensions": int(val_features.shape[1]),
+                          "split_classes": bool(args.split_classes), "classes": classes_evaluated,
                           "num_images": len(val_labels), "seed": args.seed, "seconds": round(seconds, 3)})
-    print_header("retrieval" + (" (second half of the classes)" if args.split_classes else ""), inputs,
+    print_header(f"retrieval on the {evaluated} ({int(val_features.shape[1])} dimensions)"
+                 + (", second half of the classes" if args.split_classes else ""), inputs,
                  len(features["train_labels"]), len(val_labels), seconds)
     print(f"  {len(val_labels)} images of classes {classes_evaluated}, every one a query against the others"
           + (f" ({metrics['no_relevant']} without another image of their class left out)"
@@ -343,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="ranks of Recall@k (default: %(default)s)")
     retrieval.add_argument("--chunk-size", type=positive_int, default=1024, metavar="N",
                            help="queries scored at once; memory grows with N x images (default: %(default)s)")
+    retrieval.add_argument("--features", choices=("embedding", "backbone"),
+                           help="rank by the embedding the method trained (its exported head on the backbone's "
+                                "features: the metric-learning methods) or by the backbone's features (default: the "
+                                "embedding when the export has a head, else the backbone; a backbone result of an "
+                                "export with a head is written as retrieval_backbone)")
     retrieval.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
     retrieval.set_defaults(handler=run_retrieval)
 

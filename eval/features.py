@@ -3,8 +3,10 @@
 Everything the evaluation protocols (k-NN, linear probe) read comes through here:
 
 - `load_backbone_export(path)` reads `backbone.pth` (written by pretraining: `{arch, stem, state_dict,
-  config, epoch, step}`), rebuilds the backbone with `pretrain.models.create_backbone` and refuses an
+  config, epoch, step}`, plus `embedding_head` for the metric-learning methods), rebuilds the backbone with
+  `pretrain.models.create_backbone` (and the embedding head with `pretrain.models.mlp`) and refuses an
   export whose weights do not fit that architecture, naming the mismatched keys.
+- `embed(head, features)` maps backbone features through the embedding head (what `eval retrieval` ranks by).
 - `extract_features(encode, loader)` runs any `encode(images) -> features` callable (a frozen backbone,
   `torch.flatten` for raw pixels, a randomly initialised network) over a loader of
   `(images, labels, indices)` batches and returns the features in dataset order.
@@ -41,6 +43,8 @@ class BackboneExport:
 
     backbone: the timm backbone with the exported weights loaded, in eval mode, on the CPU.
     config:   the resolved run config (plain dicts / lists) saved with the export.
+    embedding_head: the head whose (L2-normalised) output the method's loss trained, in eval mode, on the CPU,
+              when the export has one (the metric-learning methods); None otherwise.
     """
 
     path: Path
@@ -50,6 +54,7 @@ class BackboneExport:
     config: dict[str, Any]
     epoch: int
     step: int
+    embedding_head: nn.Module | None = None
 
     @property
     def num_features(self) -> int:
@@ -158,8 +163,44 @@ def load_backbone_export(path: str | Path, image_size: int | None = None) -> Bac
             "the pretraining with a lower optim.lr (it stops at a non-finite loss and keeps the last finite checkpoint)")
     backbone.load_state_dict(export["state_dict"])
     backbone.eval()
+    head = load_embedding_head(export["embedding_head"], path) if "embedding_head" in export else None
     return BackboneExport(path=path, arch=arch, stem=stem, backbone=backbone, config=config,
-                          epoch=int(export.get("epoch", 0)), step=int(export.get("step", 0)))
+                          epoch=int(export.get("epoch", 0)), step=int(export.get("step", 0)), embedding_head=head)
+
+
+def load_embedding_head(entry: Any, path: Path) -> nn.Module:
+    """The export's `embedding_head` ({in_dim, hidden_dim, out_dim, num_layers, state_dict}, as
+    `pretrain.checkpoint.export_backbone` writes it) rebuilt with `pretrain.models.mlp`, in eval mode."""
+    from pretrain.models import mlp
+
+    shape_keys = ("in_dim", "hidden_dim", "out_dim", "num_layers")
+    if not isinstance(entry, dict) or any(key not in entry for key in (*shape_keys, "state_dict")):
+        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise EvaluationInputError(f"the embedding_head of {path} is not {{{', '.join(shape_keys)}, state_dict}} "
+                                   f"(found {found}); re-export it with `python -m pretrain`, or evaluate the backbone "
+                                   "(`python -m eval retrieval --features backbone`)")
+    shape = {**{key: int(entry[key]) for key in shape_keys}, "last_bn": str(entry.get("last_bn", "none"))}
+    head = mlp(**shape)
+    try:
+        head.load_state_dict(entry["state_dict"])
+    except RuntimeError as error:
+        problem = " ".join(line.strip() for line in str(error).splitlines()[1:3])
+        raise EvaluationInputError(f"the embedding_head weights in {path} do not fit mlp({shape}): {problem}; "
+                                   "evaluate the backbone (`python -m eval retrieval --features backbone`)") from None
+    non_finite = [name for name, tensor in entry["state_dict"].items()
+                  if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if non_finite:
+        raise EvaluationInputError(f"{path} holds NaN or inf in its embedding head ({_describe_keys(non_finite)}): "
+                                   "the run diverged; evaluate an earlier export")
+    return head.eval()
+
+
+@torch.no_grad()
+def embed(head: nn.Module, features: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:
+    """(N, D) backbone features -> (N, E) outputs of the embedding head in eval mode, on the features' device,
+    `batch_size` rows at a time. Not normalised: retrieval L2-normalises whatever it ranks."""
+    head = head.to(features.device).eval()
+    return torch.cat([head(chunk.float()) for chunk in features.split(batch_size)])
 
 
 def evaluation_crop_fraction(config: dict[str, Any]) -> float:

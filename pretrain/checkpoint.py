@@ -8,7 +8,9 @@ RUN_DIR/exports/backbone_stepNNNNNNNN.pth           the backbone export of every
                                                     watching evaluation reads); exports/published.txt lists
                                                     their steps in order; engine.keep_exports bounds them
 RUN_DIR/backbone.pth                                the newest export (a hard link to it): {arch, stem,
-                                                    state_dict, config, epoch, step}; torch.load(weights_only=True)
+                                                    state_dict, config, epoch, step}, and for the metric-learning
+                                                    methods embedding_head: {in_dim, hidden_dim, out_dim,
+                                                    num_layers, state_dict}; torch.load(weights_only=True)
 
 Every file that a reader may see while it is written (trainer_state.json, latest, backbone.pth, ...) is
 written to a temporary name and renamed: a crash or a full disk leaves the previous version, never half a
@@ -32,6 +34,7 @@ from torch import nn
 
 from pretrain.atomic_write import write_text_atomically
 from pretrain.distributed import all_ranks_agree, average_buffers, parameters_finite_on_every_rank
+from pretrain.models import projector_shape
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -251,18 +254,24 @@ def export_backbone(module: nn.Module, run_dir: Path, cfg: DictConfig, epoch: in
     RUN_DIR/exports/backbone_stepNNNNNNNN.pth and publish it as RUN_DIR/backbone.pth (`publish_export`).
 
     The backbone is the method's `backbone_to_export()` (DINO: the teacher's, unless method.export=student).
+    A method whose loss trains an embedding on a head (`embedding_head_to_export()`, the metric-learning methods'
+    projector) adds embedding_head: {in_dim, hidden_dim, out_dim, num_layers} (`projector_shape`, what rebuilds it
+    with `pretrain.models.mlp`) and its state_dict; readers of the backbone read `state_dict` as before.
     Every rank must call this (ZeRO-3 gathers the partitioned parameters); rank 0 writes the file,
     atomically, so a reader never sees half a file. Returns the export's path.
     """
     path = export_path(run_dir, step)
     backbone = module.backbone_to_export()
+    head = module.embedding_head_to_export()
+    parameters = [*backbone.parameters(), *(head.parameters() if head is not None else [])]
     failure = None
-    with deepspeed.zero.GatheredParameters(list(backbone.parameters()), modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
         if dist.get_rank() == 0:
-            state = {name: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
-                     for name, t in backbone.state_dict().items()}
-            export = {"arch": cfg.model.arch, "stem": cfg.model.stem, "state_dict": state,
+            export = {"arch": cfg.model.arch, "stem": cfg.model.stem, "state_dict": fp32_cpu_state(backbone),
                       "config": OmegaConf.to_container(cfg, resolve=True), "epoch": epoch, "step": step}
+            if head is not None:
+                export["embedding_head"] = {**projector_shape(cfg, backbone.num_features),
+                                            "state_dict": fp32_cpu_state(head)}
             tmp = path.with_name(f".{path.name}.tmp")
             try:
                 path.parent.mkdir(exist_ok=True)
@@ -277,3 +286,9 @@ def export_backbone(module: nn.Module, run_dir: Path, cfg: DictConfig, epoch: in
                               f"checkpoint of step {step} is complete. Free space, then rerun the same command.")
     dist.barrier()
     return path
+
+
+def fp32_cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state_dict as CPU copies, floating-point tensors in fp32."""
+    return {name: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
+            for name, t in module.state_dict().items()}

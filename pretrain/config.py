@@ -73,9 +73,14 @@ class HVSConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"                        # sgd | lars | adamw
+    name: str = "sgd"                        # sgd | lars | adam (weight decay coupled, L2) | adamw (decoupled)
     lr: float = 0.05                         # base lr at a global batch of 256 (scaled by `lr_scaling`)
     lr_scaling: str = "linear"               # linear | sqrt | none
+    # After the warm-up: cosine to min_lr, or step: the lr times lr_step_factor at each of lr_milestones
+    # (fractions of training; paper 002: [0.5, 0.8] and 0.1).
+    lr_schedule: str = "cosine"              # cosine | step
+    lr_milestones: list[float] = field(default_factory=lambda: [0.5, 0.8])
+    lr_step_factor: float = 0.1
     min_lr: float = 0.0
     warmup_epochs: float = 0.0
     epochs: int = 100
@@ -122,8 +127,9 @@ CHOICES = {
     "model.stem": ("imagenet", "small", "small_stride2"),
     "model.proj_last_bn": ("none", "bn", "bn_scale"),
     "hvs.mode": ("hard", "easy"),
-    "optim.name": ("sgd", "lars", "adamw"),
+    "optim.name": ("sgd", "lars", "adam", "adamw"),
     "optim.lr_scaling": ("linear", "sqrt", "none"),
+    "optim.lr_schedule": ("cosine", "step"),
     "engine.precision": ("auto", "bf16", "fp32"),
 }
 
@@ -304,6 +310,27 @@ def check_choices_and_ranges(cfg: DictConfig, choices: dict[str, tuple], ranges:
             raise ConfigError(f"{key}={value} must be a finite number {comparison} {bound} ({meaning})")
 
 
+def check_lr_schedule(cfg: DictConfig) -> None:
+    """The optim.* keys of the lr schedule that ranges alone cannot check (pretraining and fine-tuning)."""
+    o = cfg.optim
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}: the cosine decays from optim.lr to "
+                          "min_lr")
+    if o.lr_schedule != "step":
+        return
+    milestones = list(o.lr_milestones)
+    if not milestones or any(not 0 < m < 1 for m in milestones) or milestones != sorted(set(milestones)):
+        raise ConfigError(f"optim.lr_milestones={milestones} must be increasing fractions of training in (0, 1), "
+                          "e.g. [0.5, 0.8] (the lr steps down at 50% and 80% of the steps)")
+    if not 0 < o.lr_step_factor <= 1:
+        raise ConfigError(f"optim.lr_step_factor={o.lr_step_factor} must lie in (0, 1]: the lr is multiplied by it at "
+                          "every milestone (0.1 divides it by 10)")
+    if o.min_lr != 0:
+        raise ConfigError(f"optim.min_lr={o.min_lr} is the cosine's final lr, which optim.lr_schedule=step does not "
+                          "use (it ends at lr x lr_step_factor ** len(lr_milestones)); set optim.min_lr=0, or "
+                          "optim.lr_schedule=cosine")
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that types alone cannot express (and the method's own, `METHOD.check_config`)."""
     from pretrain.methods import method_module
@@ -312,9 +339,7 @@ def validate(cfg: DictConfig) -> None:
     if not 0 < cfg.data.eval_crop_fraction <= 1:
         raise ConfigError(f"data.eval_crop_fraction={cfg.data.eval_crop_fraction} must lie in (0, 1]: 0.875 for "
                           "the standard 256 -> 224 centre crop, 1.0 for the whole image")
-    if cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays "
-                          "from optim.lr to min_lr")
+    check_lr_schedule(cfg)
     for index, group in enumerate(views_to_draw(cfg)):
         try:
             check_view_group(group)
@@ -328,7 +353,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.optim.name == "lars" and cfg.engine.zero_stage > 0:
         raise ConfigError("optim.name=lars needs whole per-layer parameters, but ZeRO stage "
                           f"{cfg.engine.zero_stage} flattens them into partitions; use engine.zero_stage=0 "
-                          "with LARS, or optim.name=sgd / adamw with ZeRO")
+                          "with LARS, or optim.name=sgd / adam / adamw with ZeRO")
     if not cfg.data.views or any(group.count < 1 for group in cfg.data.views):
         raise ConfigError("data.views needs at least one view group, each with count >= 1")
     method_module(cfg.method.name).METHOD.check_config(cfg)

@@ -95,3 +95,14 @@ def average_buffers(module: nn.Module) -> None:
         if buffer.is_floating_point():
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
             buffer.div_(dist.get_world_size())
+
+
+def with_sync_batchnorm(module: nn.Module, device: torch.device, world_size: int, enabled: bool) -> nn.Module:
+    """`module` with its BatchNorm layers made SyncBatchNorm (statistics over the global batch) when the run trains on
+    GPUs in several processes and `enabled` (engine.sync_batchnorm), else `module` unchanged; never on CPUs, where
+    SyncBatchNorm raises. The training loop converts the task so; a copy kept outside the task (DINO's teacher,
+    s-MoCo's key encoder) must be converted with this too, or it normalises with per-process statistics while
+    the student uses global ones."""
+    if device.type == "cuda" and world_size > 1 and enabled:
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    return module

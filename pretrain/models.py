@@ -75,9 +75,18 @@ def backbone_from_config(cfg: DictConfig) -> nn.Module:
 
 def projector_from_config(cfg: DictConfig, in_dim: int, last_bn: str | None = None) -> nn.Sequential:
     """The projection MLP the `model.proj_*` keys describe, on `in_dim` backbone features; `last_bn` (a method's
-    fixed choice) overrides `model.proj_last_bn`."""
+    fixed choice) overrides `model.proj_last_bn`. model.proj_layers=1 is one linear layer (with bias), the
+    embedding layer of the metric-learning papers 001 and 002."""
+    shape = projector_shape(cfg, in_dim)
+    return mlp(**{**shape, "last_bn": last_bn or shape["last_bn"]})
+
+
+def projector_shape(cfg: DictConfig, in_dim: int) -> dict:
+    """The `mlp` arguments (in_dim, hidden_dim, out_dim, num_layers, last_bn) of `projector_from_config`: what an
+    export records to rebuild the projector without the config's schema."""
     m = cfg.model
-    return mlp(in_dim, m.proj_hidden_dim, m.proj_out_dim, m.proj_layers, last_bn or m.proj_last_bn)
+    return {"in_dim": int(in_dim), "hidden_dim": int(m.proj_hidden_dim), "out_dim": int(m.proj_out_dim),
+            "num_layers": int(m.proj_layers), "last_bn": str(m.proj_last_bn)}
 
 
 class ScaleOnlyBatchNorm1d(nn.BatchNorm1d):

@@ -1,4 +1,4 @@
-"""Optimizers (SGD, LARS, AdamW) and the precomputed schedules of learning rate and weight decay.
+"""Optimizers (SGD, LARS, Adam, AdamW) and the precomputed schedules of learning rate and weight decay.
 
 Schedules are arrays indexed by optimizer step (as in DINO's main_dino.py): any step's value is a lookup,
 so resuming at step s continues the schedule exactly, and the schedule is testable on its own.
@@ -6,6 +6,7 @@ so resuming at step s continues the schedule exactly, and the schedule is testab
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +53,13 @@ def scaled_lr(cfg: DictConfig, global_batch: int) -> float:
 
 
 def build_optimizer(cfg: DictConfig, param_groups: list[dict], peak_lr: float) -> torch.optim.Optimizer:
-    """The optimizer over the method's groups; `no_decay` groups get no weight decay."""
+    """The optimizer over the method's groups; `no_decay` groups get no weight decay.
+
+    adam is torch.optim.Adam, whose weight decay is coupled: wd * w is added to the gradient before the moments (an
+    L2 penalty, divided by Adam's scaling like the gradient), as paper 002's "Adam optimizer with 5e-4 weight
+    decay". adamw decouples it (w <- w - lr * wd * w beside the Adam step, Loshchilov & Hutter 2019): there the
+    same 5e-4 at an lr of 1e-4 takes 5e-8 of every weight per step, almost no decay.
+    """
     o = cfg.optim
     for group in param_groups:
         group["weight_decay"] = 0.0 if group.get("no_decay") else o.weight_decay
@@ -60,6 +67,8 @@ def build_optimizer(cfg: DictConfig, param_groups: list[dict], peak_lr: float) -
         return torch.optim.SGD(param_groups, lr=peak_lr, momentum=o.momentum, weight_decay=o.weight_decay)
     if o.name == "lars":
         return LARS(param_groups, lr=peak_lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if o.name == "adam":
+        return torch.optim.Adam(param_groups, lr=peak_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     return torch.optim.AdamW(param_groups, lr=peak_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
 
 
@@ -71,6 +80,20 @@ def cosine_schedule(start: float, end: float, total_steps: int, warmup_steps: in
     steps = np.arange(total_steps - warmup_steps)
     cosine = end + 0.5 * (start - end) * (1 + np.cos(np.pi * steps / max(len(steps), 1)))
     return np.concatenate([warmup, cosine])
+
+
+def step_schedule(start: float, total_steps: int, milestones: Sequence[float], factor: float, warmup_steps: int = 0,
+                  warmup_start: float = 0.0) -> np.ndarray:
+    """Linear warm-up from `warmup_start` to `start`, then `start` multiplied by `factor` at every milestone passed:
+    the value at step s is start * factor ** #{m in milestones : s >= round(m * total_steps)}, the milestones
+    given as fractions of training (paper 002: [0.5, 0.8] with factor 0.1, "reduce the learning rate by 10 at 50%
+    and 80% of total iterations")."""
+    warmup_steps = min(warmup_steps, total_steps)
+    warmup = np.linspace(warmup_start, start, warmup_steps, endpoint=False)
+    steps = np.arange(warmup_steps, total_steps)
+    boundaries = np.array([round(m * total_steps) for m in milestones])
+    passed = (steps[:, None] >= boundaries[None, :]).sum(axis=1)
+    return np.concatenate([warmup, start * factor ** passed])
 
 
 def set_schedule_values(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, base_lr: float,
@@ -98,15 +121,19 @@ class Schedules:
 
 def schedules_from_config(cfg: DictConfig, steps_per_epoch: int, global_batch: int) -> Schedules:
     """The `optim.*` recipe of pretraining and fine-tuning: the lr scaled to the global batch (`scaled_lr`), a linear
-    warm-up over optim.warmup_epochs then a cosine to optim.min_lr; the weight decay a cosine from
-    optim.weight_decay to optim.weight_decay_end (constant when that is null)."""
+    warm-up over optim.warmup_epochs then, with optim.lr_schedule=cosine (the default), a cosine to optim.min_lr,
+    or with lr_schedule=step, steps down by optim.lr_step_factor at the optim.lr_milestones (`step_schedule`); the
+    weight decay a cosine from optim.weight_decay to optim.weight_decay_end (constant when that is null)."""
     o = cfg.optim
     peak_lr = scaled_lr(cfg, global_batch)
     total_steps = o.epochs * steps_per_epoch
+    warmup_steps = int(o.warmup_epochs * steps_per_epoch)
+    if o.lr_schedule == "step":
+        lr = step_schedule(peak_lr, total_steps, list(o.lr_milestones), o.lr_step_factor, warmup_steps)
+    else:
+        lr = cosine_schedule(peak_lr, o.min_lr, total_steps, warmup_steps)
     wd_end = o.weight_decay if o.weight_decay_end is None else o.weight_decay_end
-    return Schedules(peak_lr=peak_lr,
-                     lr=cosine_schedule(peak_lr, o.min_lr, total_steps, int(o.warmup_epochs * steps_per_epoch)),
-                     weight_decay=cosine_schedule(o.weight_decay, wd_end, total_steps))
+    return Schedules(peak_lr=peak_lr, lr=lr, weight_decay=cosine_schedule(o.weight_decay, wd_end, total_steps))
 
 
 def divergence_advice(cfg: DictConfig) -> str:

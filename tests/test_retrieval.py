@@ -1,6 +1,7 @@
 """Retrieval metrics (Recall@k, precision@1, R-precision, MAP@R, R-mAP) and NMI against brute-force
 computations on planted examples (ties, a class of one image), R-mAP vs MAP@R on a hand-made case of paper
-000's appendix C, and `python -m eval retrieval` end to end on the digits' DML split."""
+000's appendix C, `python -m eval retrieval` end to end on the digits' DML split, and the embedding head of the
+metric-learning methods: exported beside the backbone, and what retrieval ranks by (or the backbone, on request)."""
 from __future__ import annotations
 
 import json
@@ -171,3 +172,134 @@ def test_cli_retrieval_with_split_classes_writes_json_and_tensorboard(tmp_path, 
     monkeypatch.setattr(EvaluationInputs, "features", lambda self: first_half)
     assert main([*argv, "--split-classes"]) == 2
     assert "keeps the images of classes 5-9" in capsys.readouterr().err
+
+
+# ============ the embedding the metric-learning methods train: exported, and what retrieval ranks by ============
+
+@pytest.fixture
+def group_of_one():
+    """A process group of one in this process (export_backbone gathers and writes on rank 0), released after."""
+    from pretrain.distributed import init_distributed, release_distributed
+
+    init_distributed("cpu")
+    yield
+    release_distributed()
+
+
+@pytest.mark.parametrize("config, exports_head", [("weighted_contrastive_digits.yaml", True),
+                                                  ("smoco_digits.yaml", True),
+                                                  ("contrastive_balance_digits.yaml", True),
+                                                  ("simclr_digits.yaml", False)])
+def test_export_carries_the_embedding_head_beside_an_unchanged_backbone(group_of_one, tmp_path, config, exports_head):
+    """The metric-learning methods' backbone.pth holds their projector as embedding_head, which rebuilds to the same
+    function; `state_dict` is still the backbone alone, so every reader of the backbone (load_backbone_export: k-NN,
+    linear, fine-tuning, detection; the Detectron2 converter reads state_dict) gets it unchanged."""
+    from eval.features import load_backbone_export
+    from pretrain.checkpoint import export_backbone
+    from pretrain.config import load_config
+    from pretrain.methods import build_method
+
+    cfg = load_config(f"configs/pretrain/{config}", ["model.proj_hidden_dim=32", "model.proj_out_dim=16",
+                                                     "model.proj_layers=2", f"run_dir={tmp_path}"])
+    torch.manual_seed(0)
+    method = build_method(cfg)
+    for module in method.modules():                       # BatchNorm statistics that eval mode must use
+        if isinstance(module, torch.nn.BatchNorm1d):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+    export_backbone(method, tmp_path, cfg, epoch=1, step=5)
+    raw = torch.load(tmp_path / "backbone.pth", weights_only=True)
+    backbone_state = method.backbone.state_dict()
+    assert raw["state_dict"].keys() == backbone_state.keys()
+    assert all(torch.equal(raw["state_dict"][k], backbone_state[k]) for k in backbone_state)
+    export = load_backbone_export(tmp_path / "backbone.pth")
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    method.eval()
+    with torch.no_grad():
+        features = method.backbone(x)
+        torch.testing.assert_close(export.backbone(x), features)
+    if not exports_head:
+        assert "embedding_head" not in raw and export.embedding_head is None
+        return
+    assert {k: raw["embedding_head"][k] for k in ("in_dim", "hidden_dim", "out_dim", "num_layers")} == {
+        "in_dim": 512, "hidden_dim": 32, "out_dim": 16, "num_layers": 2}
+    with torch.no_grad():
+        torch.testing.assert_close(export.embedding_head(features), method.projector(features))
+
+
+def planted_export_and_features(tmp_path, monkeypatch, with_head: bool):
+    """A run whose export has (or lacks) a 2-layer embedding head with BatchNorm statistics, and planted backbone
+    features of 30 validation images (EvaluationInputs.features is what the cache or the extraction returns)."""
+    from eval.__main__ import EvaluationInputs
+    from pretrain.models import mlp
+
+    g = torch.Generator().manual_seed(4)
+    head = mlp(512, 32, 8, 2)
+    head[1].running_mean.normal_(generator=g)
+    head[1].running_var.uniform_(0.5, 2.0, generator=g)
+    entry = {"in_dim": 512, "hidden_dim": 32, "out_dim": 8, "num_layers": 2, "state_dict": head.state_dict()}
+    run = tmp_path / "run"
+    write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=tmp_path, val=tmp_path, step=40,
+                 embedding_head=entry if with_head else None)
+    labels = torch.arange(30) % 4
+    backbone = torch.randn(30, 512, generator=g) + 0.5 * torch.randn(4, 512, generator=g)[labels]
+    features = {"train_features": backbone, "train_labels": labels, "val_features": backbone, "val_labels": labels}
+    monkeypatch.setattr(EvaluationInputs, "features", lambda self: features)
+    return run, head.eval(), backbone, labels
+
+
+def assert_result_is_brute_force_on(result, features, labels):
+    expected = brute_force_means(brute_force_per_query(features, labels))
+    for name, value in expected.items():
+        assert result[name] == pytest.approx(value, abs=1e-9), name
+    assert result["nmi"] == pytest.approx(clustering_nmi(features, labels))
+
+
+def test_retrieval_ranks_by_the_embedding_by_default_and_by_the_backbone_when_asked(tmp_path, monkeypatch):
+    from eval.__main__ import main
+
+    run, head, backbone, labels = planted_export_and_features(tmp_path, monkeypatch, with_head=True)
+    argv = ["retrieval", "--run", str(run), "--device", "cpu", "--image-size", "16"]
+    assert main(argv) == 0
+    result = json.loads((run / "eval" / "retrieval_step0000040.json").read_text())
+    assert result["features"] == "embedding" and result["dimensions"] == 8
+    with torch.no_grad():
+        embedding = head(backbone)                                # head(backbone(x)), BatchNorm in eval mode
+    assert_result_is_brute_force_on(result, embedding, labels)
+    assert read_scalars(run / "tb")["eval/retrieval_map_at_r"] == [(40, pytest.approx(result["map@r"]))]
+    # --features backbone: the backbone's features, next to the embedding's result (which stays)
+    assert main([*argv, "--features", "backbone"]) == 0
+    on_backbone = json.loads((run / "eval" / "retrieval_backbone_step0000040.json").read_text())
+    assert on_backbone["features"] == "backbone" and on_backbone["dimensions"] == 512
+    assert on_backbone["protocol"] == "retrieval_backbone"
+    assert_result_is_brute_force_on(on_backbone, backbone, labels)
+    assert json.loads((run / "eval" / "retrieval_step0000040.json").read_text()) == result
+
+
+def test_retrieval_of_an_export_without_a_head_is_on_the_backbone_and_refuses_the_embedding(tmp_path, monkeypatch,
+                                                                                           capsys):
+    from eval.__main__ import main
+
+    run, _, backbone, labels = planted_export_and_features(tmp_path, monkeypatch, with_head=False)
+    argv = ["retrieval", "--run", str(run), "--device", "cpu", "--image-size", "16"]
+    assert main(argv) == 0                                           # as before heads were exported
+    result = json.loads((run / "eval" / "retrieval_step0000040.json").read_text())
+    assert result["features"] == "backbone" and result["protocol"] == "retrieval"
+    assert_result_is_brute_force_on(result, backbone, labels)
+    assert main([*argv, "--features", "embedding"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert str(run / "backbone.pth") in error and "no embedding head" in error and "--features backbone" in error
+
+
+def test_an_embedding_head_that_does_not_fit_its_shape_is_refused_in_one_line(tmp_path, capsys):
+    from eval.__main__ import main
+    from pretrain.models import mlp
+
+    two_layers = mlp(512, 32, 8, 2).state_dict()
+    entry = {"in_dim": 512, "hidden_dim": 32, "out_dim": 8, "num_layers": 1, "state_dict": two_layers}
+    write_export(tmp_path / "backbone.pth", RESNET18_SMALL.state_dict(), train=tmp_path, val=tmp_path,
+                 embedding_head=entry)
+    assert main(["retrieval", "--run", str(tmp_path), "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "embedding_head weights" in error and "--features backbone" in error

@@ -138,6 +138,49 @@ def test_drift_is_measured_on_the_fixed_probe_every_k_steps():
     assert torch.equal(method.probe, probe)
 
 
+# ==== SyncBatchNorm: the key encoder as the student on multi-GPU runs ====
+
+def test_sync_batchnorm_only_on_gpus_with_several_processes_when_enabled():
+    from pretrain.distributed import with_sync_batchnorm
+
+    def batchnorms(module):
+        return [type(m) for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+    for device, world, enabled in (("cpu", 2, True), ("cuda", 1, True), ("cuda", 2, False)):
+        module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+        assert with_sync_batchnorm(module, torch.device(device), world, enabled) is module
+        assert batchnorms(module) == [torch.nn.BatchNorm2d]
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+    converted = with_sync_batchnorm(module, torch.device("cuda"), 2, True)    # the conversion itself runs on CPU
+    assert batchnorms(converted) == [torch.nn.SyncBatchNorm]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_key_encoder_gets_sync_batchnorm_where_the_student_does(monkeypatch, enabled):
+    """With the decision of a multi-GPU run forced (device cuda, 2 processes), placing the key encoder converts its
+    BatchNorm layers as the loop converts the student's, with its weights and statistics kept;
+    engine.sync_batchnorm=false leaves them as they are."""
+    import pretrain.methods.smoco as smoco
+    from pretrain.distributed import with_sync_batchnorm
+
+    decisions = []
+
+    def as_on_two_gpus(module, device, world_size, enabled):
+        decisions.append((device.type, world_size, enabled))
+        return with_sync_batchnorm(module, torch.device("cuda"), 2, enabled)
+
+    monkeypatch.setattr(smoco, "with_sync_batchnorm", as_on_two_gpus)
+    method = build_method(tiny_config(f"engine.sync_batchnorm={str(enabled).lower()}"))
+    before = {name: t.clone() for name, t in method.key_encoder.state_dict().items()}
+    method.place(torch.device("cpu"))
+    assert decisions == [("cpu", 1, enabled)]
+    norms = [m for m in method.key_encoder.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert norms and all(isinstance(m, torch.nn.SyncBatchNorm) == enabled for m in norms)
+    after = method.key_encoder.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in method.modules())    # the student: the loop's
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["data.views.0.count=3"], "trains on 2 views per image"),
     (["method.negative_weighting=contrastive"], "negative weighting 'contrastive' is not one of"),

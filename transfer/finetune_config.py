@@ -18,7 +18,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from pretrain.config import (CHOICES, NUMBER_RANGES, ConfigError, EngineConfig, OptimConfig, check_choices_and_ranges,
-                             merge_checked, parse_overrides, read_config_file, schema_keys)
+                             check_lr_schedule, merge_checked, parse_overrides, read_config_file, schema_keys)
 from pretrain.data.views import ViewGroup
 
 CONFIGS_DIR = "configs/transfer/"
@@ -168,13 +168,11 @@ def validate(cfg: DictConfig) -> None:
     if not 0 < cfg.optim.layer_decay <= 1:
         raise ConfigError(f"optim.layer_decay={cfg.optim.layer_decay} must lie in (0, 1]: 1 is no decay, BEiT / MAE "
                           "use 0.65-0.75")
-    if cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays "
-                          "from optim.lr to min_lr")
+    check_lr_schedule(cfg)
     if cfg.optim.name == "lars" and cfg.engine.zero_stage > 0:
         raise ConfigError("optim.name=lars needs whole per-layer parameters, but ZeRO stage "
                           f"{cfg.engine.zero_stage} flattens them into partitions; use engine.zero_stage=0 "
-                          "with LARS, or optim.name=sgd / adamw with ZeRO")
+                          "with LARS, or optim.name=sgd / adam / adamw with ZeRO")
     try:
         check_view_group(train_view_group(cfg, cfg.data.image_size or 1))
     except ValueError as error:

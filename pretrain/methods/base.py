@@ -28,6 +28,9 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
     scalars() -> {name: float}                method-specific values to log (e.g. tcl/grad_pos)
     state_outside_engine() / load_state_outside_engine(state)   what DeepSpeed does not checkpoint
     backbone_to_export() -> nn.Module         the backbone that eval / transfer read (`write_export` writes it)
+    embedding_head_to_export() -> nn.Module | None   the head whose L2-normalised output the loss shapes, exported
+                                              beside the backbone for retrieval (the metric-learning methods);
+                                              None (the default): the backbone is the representation
     modules_with_buffers() -> [nn.Module]     every module whose buffers the forward may change (the
                                               selection forward restores them: pretrain/hvs.py)
 """
@@ -120,6 +123,9 @@ class Method(TrainingTask):
 
     def backbone_to_export(self) -> nn.Module:
         return self.backbone
+
+    def embedding_head_to_export(self) -> nn.Module | None:
+        return None
 
     def write_export(self, run_dir: Path, epoch: int, step: int) -> None:
         from pretrain.checkpoint import export_backbone

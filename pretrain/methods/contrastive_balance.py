@@ -16,6 +16,13 @@ positive pairs (eq. 8).
 
 `scalars()` logs the two sub-losses of the last training batch, balance/positive_loss (mean l_p) and
 balance/entropy_loss (mean l_e), the axes of the paper's Figure 4.
+
+The embedding the loss shapes is the projector's L2-normalised output, and the export carries the projector
+(`embedding_head_to_export`), so that `python -m eval retrieval` evaluates that embedding by default
+(`--features backbone`: the backbone's pooled features). Departure: the paper's network is a ResNet-18 with GeM
+pooling (section 6.2) and names no projection (its Table 3 notes the implementations that add a linear one);
+here the backbone average-pools and the head is the `model.proj_*` MLP (2 layers in the digits config;
+`model.proj_layers=1` makes it one linear layer); a loss on the pooled features themselves is not offered.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from pretrain.losses.contrastive_margin_balance import AVERAGING, margin_balance_per_sample
 from pretrain.losses.infonce_balance import infonce_balance_per_sample
@@ -74,6 +82,9 @@ class ContrastiveBalance(TCL):
             return margin_balance_per_sample(z, labels, o.margin, o.lambda_p, o.lambda_e, o.averaging,
                                              gather_negatives)
         return infonce_balance_per_sample(z, labels, o.temperature, o.lambda_p, o.lambda_e, gather_negatives)
+
+    def embedding_head_to_export(self) -> nn.Module:
+        return self.projector
 
     def scalars(self) -> dict[str, float]:
         if self.gradient_means is None:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from pretrain.distributed import with_sync_batchnorm
 from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample, dino_teacher_entropy
 from pretrain.methods.base import Method, encode_view_groups, split_decay_groups
 from pretrain.models import backbone_from_config
@@ -214,8 +215,8 @@ class DINO(Method):
             if world_size() > 1:
                 for tensor in teacher.state_dict().values():
                     dist.broadcast(tensor, src=0)
-                if device.type == "cuda" and self.sync_batchnorm:
-                    self.__dict__["teacher"] = teacher = nn.SyncBatchNorm.convert_sync_batchnorm(teacher)
+                teacher = with_sync_batchnorm(teacher, device, world_size(), self.sync_batchnorm)
+                self.__dict__["teacher"] = teacher
             self.teacher_placed = True
         return teacher
 

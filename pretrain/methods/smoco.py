@@ -26,6 +26,14 @@ Logged (`scalars()`):
   encoder). The probe is embedded in train mode (BatchNorm on the probe's batch statistics, as the
   memory is filled) and every buffer is left as it was.
 
+The embedding: the paper adds one fully-connected layer with L2 normalisation after the global pooling of its
+ImageNet-pretrained backbone (128 dimensions on ResNet-50; section 4); `model.proj_layers: 1` (the digits config)
+is that layer, `model.proj_layers: 2` the MLP of the self-supervised methods. The export carries the trained
+encoder's head (`embedding_head_to_export`; the key encoder is its running average): `python -m eval retrieval`
+evaluates the embedding by default, as the paper does, and `--features backbone` the backbone's features. The
+paper's recipe (Adam with coupled weight decay 5e-4, the lr / 10 at 50% and 80% of training, 4 images per
+class in a batch) and what the digits config keeps of it: configs/pretrain/smoco_digits.yaml.
+
 The key encoder and the queue live outside the nn.Module registry (`self.__dict__`), in fp32, like DINO's
 teacher (pretrain/methods/dino.py): DeepSpeed never wraps, shards or checkpoints them; the student's
 parameters are gathered under ZeRO-3 for the momentum update; they are saved in the checkpoint's client
@@ -44,6 +52,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from pretrain.distributed import with_sync_batchnorm
 from pretrain.losses.pair_weighting import PairWeighting, pair_weighting_per_anchor
 from pretrain.losses.supcon import contrast_set
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
@@ -91,6 +100,7 @@ class SMoCo(Method):
         self.hard_negative_similarity = o.hard_negative_similarity
         self.drift_every_steps, self.drift_probe_size = o.drift_every_steps, o.drift_probe_size
         self.gather_negatives = o.gather_negatives
+        self.sync_batchnorm = cfg.engine.sync_batchnorm
 
         # Outside the module registry (see the module docstring): fp32, no gradients.
         key_encoder = copy.deepcopy(nn.ModuleDict({"backbone": self.backbone, "projector": self.projector}))
@@ -129,7 +139,9 @@ class SMoCo(Method):
 
     # ==== key encoder, queue ====
     def place(self, device: torch.device) -> None:
-        """The first time: key encoder and queue on `device`, the key encoder equal to rank 0's everywhere."""
+        """The first time: key encoder and queue on `device`, the key encoder equal to rank 0's everywhere and, on
+        GPUs with several processes, with SyncBatchNorm as the student has (`with_sync_batchnorm`, as DINO's teacher):
+        otherwise the keys would be normalised with one process's statistics and the queries with the global batch's."""
         if self.placed:
             return
         self.key_encoder.to(device)
@@ -141,6 +153,7 @@ class SMoCo(Method):
         if world_size() > 1:
             for tensor in self.key_encoder.state_dict().values():
                 dist.broadcast(tensor, src=0)
+        self.__dict__["key_encoder"] = with_sync_batchnorm(self.key_encoder, device, world_size(), self.sync_batchnorm)
         self.placed = True
 
     def encode_keys(self, views: list[torch.Tensor]) -> torch.Tensor:
@@ -302,6 +315,9 @@ class SMoCo(Method):
         for name in ("probe", "probe_embedding"):
             self.__dict__[name] = None if state[name] is None else state[name].to(device)
         self.steps_done = int(state["steps_done"])
+
+    def embedding_head_to_export(self) -> nn.Module:
+        return self.projector
 
     def modules_with_buffers(self) -> list[nn.Module]:
         return [self, self.key_encoder]        # the key encoder's BatchNorm statistics move in its forward too

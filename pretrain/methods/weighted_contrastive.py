@@ -16,6 +16,16 @@ N_c (the class sizes, and L and N from them) come from the labels of data.train.
 
 `scalars()` logs weighted_contrastive/positive_loss (mean g(D) over the batch's positive pairs) and
 weighted_contrastive/negative_loss (mean eta h(D) over its negative pairs), without importance weights.
+
+The embedding: the paper replaces the classifier of its (ImageNet-pretrained) ResNet-50 by one linear layer to
+128 dimensions (section 6); `model.proj_layers: 1` (the digits config) is that layer, on the backbone's pooled
+features, `model.proj_layers: 2` the MLP of the self-supervised methods. The distances D are taken between
+L2-normalised embeddings (the paper normalises only for its triplet and cluster baselines; on unit vectors the
+margin alpha lies in (0, 2] whatever the embedding's scale). The export carries the head
+(`embedding_head_to_export`): `python -m eval retrieval` evaluates the embedding by default, as the paper does,
+and `--features backbone` the backbone's features. The paper's recipe (Adam, the lr times 0.9 every 5% of
+training, (4, 16)-group batches) and what the digits config keeps of it:
+configs/pretrain/weighted_contrastive_digits.yaml.
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from torch.distributed.nn.functional import all_gather
 
 from pretrain.data.batch_designs import BatchDesign, class_counts, classes_per_batch, dataset_labels
@@ -144,6 +155,9 @@ class WeightedContrastive(TCL):
             return p_random_importance_weights(labels, candidate_labels, counts, self.design.positive_fraction)
         return group_importance_weights(labels, candidate_labels, counts, self.design.images_per_class,
                                         classes_per_batch(self.design, self.global_batch))
+
+    def embedding_head_to_export(self) -> nn.Module:
+        return self.projector
 
     def scalars(self) -> dict[str, float]:
         if self.gradient_means is None:
