@@ -287,7 +287,8 @@ def merge_checked(cfg: DictConfig, keys: tuple[str, ...], tree: dict, parsed: li
             node = OmegaConf.select(cfg, key)
             if isinstance(node, ListConfig) and not isinstance(value, list):
                 raise ConfigError(f"{key} is a list; write {key}=[{value}]")
-            OmegaConf.update(cfg, key, value, merge=False)
+            # A list is replaced whole; merging it converts its items to the schema's types (data.views=[{...}]).
+            OmegaConf.update(cfg, key, value, merge=isinstance(node, ListConfig))
     except OmegaConfBaseException as error:
         raise ConfigError(f"invalid config value: {error}") from None
     return cfg

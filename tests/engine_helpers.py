@@ -8,6 +8,12 @@ ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs/pretrain"
 METHOD_CONFIGS = ["simclr_digits.yaml", "simsiam_digits.yaml", "dino_digits.yaml", "tcl_digits.yaml",
                   "supcon_digits.yaml", "contrastive_balance_digits.yaml", "smoco_digits.yaml"]
+# DINO's multi-crop: configs/pretrain/dino_digits.yaml trains on its two global crops only, the tests keep 4 local
+# crops of 8 px (as the ImageNet configs train), so that every path of the local views stays tested.
+DINO_MULTI_CROP = [
+    "data.views=[{count: 1, size: 16, scale: [0.4, 1.0], blur_p: 1.0}, "
+    "{count: 1, size: 16, scale: [0.4, 1.0], blur_p: 0.1, solarize_p: 0.2}, {count: 4, size: 8, scale: [0.2, 0.5], blur_p: 0.5}]",
+    "hvs.num_views=[2, 2, 8]"]
 TINY = ["model.proj_hidden_dim=32", "model.proj_out_dim=16", "data.batch_size=6", "hvs.enabled=true",
         "hvs.max_candidates=8", "optim.lr=0.05"]
 

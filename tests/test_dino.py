@@ -22,11 +22,12 @@ from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
 from pretrain.methods import build_method
 from pretrain.methods.base import Method
 from pretrain.optim import build_optimizer, set_schedule_values
+from tests.engine_helpers import DINO_MULTI_CROP
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/dino_digits.yaml"
 TINY = ["data.batch_size=8", "data.num_workers=1", "model.proj_hidden_dim=32", "model.proj_out_dim=16",
-        "method.out_dim=64", "engine.image_grid_every_steps=0"]
+        "method.out_dim=64", "engine.image_grid_every_steps=0", *DINO_MULTI_CROP]
 
 
 @pytest.fixture(autouse=True)
@@ -312,7 +313,7 @@ def test_state_outside_engine_round_trip():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["data.views.0.count=2"], r"two global crop groups of count 1, then local crop groups; got counts \[2, 1, 4\]"),
+    (["data.views.0.count=2"], r"two global crop groups of count 1, then local crop groups; got counts \[2, 1\]"),
     (["data.views.1.count=4"], "Write e.g. data.views"),
     (["method.export=bogus"], "method.export='bogus' is not one of"),
     (["method.hvs_score=entropy"], "method.hvs_score='entropy' is not one of"),

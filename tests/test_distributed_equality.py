@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engine_helpers import DINO_MULTI_CROP
+
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs/pretrain"
 GLOBAL_BATCH = 8
@@ -28,9 +30,10 @@ CASES = {   # name: (config, overrides)
     "supcon": ("supcon_digits.yaml", []),
     "tcl": ("tcl_digits.yaml", []),
     "tcl_supervised": ("tcl_supervised_digits.yaml", []),
-    "dino": ("dino_digits.yaml", ["method.out_dim=64", "method.freeze_last_layer_epochs=0"]),
+    "dino": ("dino_digits.yaml", ["method.out_dim=64", "method.freeze_last_layer_epochs=0", *DINO_MULTI_CROP]),
     # DINO's gradient edits act on the reduced gradient: every tensor clipped, the frozen last layer left alone
-    "dino_clip_each_parameter": ("dino_digits.yaml", ["method.out_dim=64", "optim.grad_clip_per_parameter=0.01"]),
+    "dino_clip_each_parameter": ("dino_digits.yaml", ["method.out_dim=64", "optim.grad_clip_per_parameter=0.01",
+                                                      *DINO_MULTI_CROP]),
     "smoco": ("smoco_digits.yaml", []),
     "smoco_minibatch": ("smoco_digits.yaml", ["method.memory_size=0"]),
     "contrastive_balance": ("contrastive_balance_digits.yaml", []),

@@ -20,7 +20,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.engine_helpers import CONFIGS, METHOD_CONFIGS, ROOT, TINY, engine_for, views_and_boxes
+from tests.engine_helpers import CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for, views_and_boxes
 
 pytestmark = pytest.mark.slow          # one worker process: DeepSpeed steps of every method under every ZeRO stage
 
@@ -40,7 +40,7 @@ def bf16_runs_for_every_method_and_stage() -> dict:
     results = {}
     for config in METHOD_CONFIGS:
         for stage in (0, 2, 3):
-            extra = ["method.out_dim=64"] if config.startswith("dino") else []
+            extra = ["method.out_dim=64", *DINO_MULTI_CROP] if config.startswith("dino") else []
             cfg = load_config(CONFIGS / config, [*TINY, *extra, f"engine.zero_stage={stage}", "optim.name=adamw",
                                                  "optim.lr=0.001"])
             losses = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_helpers import CONFIGS, ROOT, TINY, engine_for, views_and_boxes
+from tests.engine_helpers import CONFIGS, DINO_MULTI_CROP, ROOT, TINY, engine_for, views_and_boxes
 
 pytestmark = pytest.mark.slow          # one worker process: a few DeepSpeed steps under four ZeRO stages
 
@@ -91,7 +91,7 @@ def frozen_last_layer() -> dict:
         cfg = load_config(CONFIGS / "dino_digits.yaml", [
             *TINY, "hvs.enabled=false", "method.out_dim=64", f"engine.zero_stage={stage}", "optim.name=adamw",
             "optim.weight_decay=0", "optim.grad_clip=0", "optim.grad_clip_per_parameter=3.0", "optim.epochs=2",
-            "method.freeze_last_layer_epochs=1"])
+            "method.freeze_last_layer_epochs=1", *DINO_MULTI_CROP])
         torch.manual_seed(0)
         method = build_method(cfg, steps_per_epoch=2)          # frozen for the first 2 steps
         engine, optimizer, gradient_edits = engine_for(cfg, method)

@@ -10,6 +10,7 @@ import torch
 
 from pretrain.hvs import candidate_combinations, select_hard_views
 from pretrain.methods.base import Method
+from tests.engine_helpers import DINO_MULTI_CROP
 
 
 class DistanceMethod(Method):
@@ -208,7 +209,7 @@ def test_selection_in_train_mode_leaves_every_buffer_bit_identical(config, selec
 
     root = Path(__file__).parents[1] / "configs/pretrain"
     cfg = load_config(root / config, ["hvs.enabled=true", "model.proj_hidden_dim=32", "model.proj_out_dim=16",
-                                      *(["method.out_dim=64"] if config.startswith("dino") else [])])
+                                      *(["method.out_dim=64", *DINO_MULTI_CROP] if config.startswith("dino") else [])])
     torch.manual_seed(0)
     method = build_method(cfg).train()                                  # the mode the engine trains in
     g = torch.Generator().manual_seed(1)
@@ -255,7 +256,7 @@ def test_every_method_selects_the_brute_force_argmax_in_train_mode(config):
 
     root = Path(__file__).parents[1] / "configs/pretrain"
     cfg = load_config(root / config, ["hvs.enabled=true", "model.proj_hidden_dim=32", "model.proj_out_dim=16",
-                                      *(["method.out_dim=64"] if config.startswith("dino") else [])])
+                                      *(["method.out_dim=64", *DINO_MULTI_CROP] if config.startswith("dino") else [])])
     torch.manual_seed(0)
     method = build_method(cfg).train()
     g = torch.Generator().manual_seed(4)
