@@ -2,7 +2,7 @@
 after a real DeepSpeed step under ZeRO 0 / 2 / 3 in two processes, the all-reduced centre, the frozen last
 layer, the schedules, and a whole `python -m pretrain` run with selection, export and resume.
 
-Run as a script (`torchrun --nproc-per-node 2 tests/test_dino.py OUT_DIR`), this file is the worker of the
+Run as a module (`torchrun --nproc-per-node 2 -m tests.test_dino OUT_DIR`), this file is the worker of the
 two-process tests.
 """
 import json
@@ -407,7 +407,7 @@ def two_process_worker(out_dir: Path) -> None:
 def two_process_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dino_two_processes")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(Path(__file__)), str(out)]
+               "-m", "tests.test_dino", str(out)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
