@@ -7,19 +7,19 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev
+APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev dataset-fashion-mnist
 
 .PHONY: install demo demo-detection test test-fast bench gpu-check clean-runs
 
 install: $(VENV)/.installed
 
-# FFCV compiles against OpenCV and libjpeg-turbo. torch and torchvision come from the package registry
+# FFCV compiles against OpenCV and libjpeg-turbo; dataset-fashion-mnist holds the benchmark's IDX files. torch and torchvision come from the package registry
 # (CUDA build, runs on CPUs too): `pip --isolated` ignores a local CPU-only torch wheel that pip may be
 # configured to prefer, with which torchvision's compiled ops do not load.
 $(VENV)/.installed: pyproject.toml
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
-		else echo "FFCV needs the Debian packages: $(APT_PACKAGES) (run as root, or: sudo apt-get install $(APT_PACKAGES))"; exit 1; fi; \
+		else echo "FFCV and the Fashion-MNIST benchmark need the Debian packages: $(APT_PACKAGES) (run as root, or: sudo apt-get install $(APT_PACKAGES))"; exit 1; fi; \
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip --isolated install -q --upgrade pip

@@ -109,6 +109,14 @@ class EngineConfig:
 
 
 @dataclass
+class MonitorConfig:
+    # What the run logs about its representation while it trains (pretrain/online_monitors.py)
+    rankme: bool = True                      # monitor/rankme: effective rank of the batch's backbone features
+    online_probe: bool = True                # monitor/online_linear_top1: a linear probe on detached features
+    online_probe_lr: float = 1.0e-3          # the probe's Adam lr
+
+
+@dataclass
 class Config:
     name: str = "run"
     run_dir: Optional[str] = None            # default: runs/NAME
@@ -120,6 +128,7 @@ class Config:
     hvs: HVSConfig = field(default_factory=HVSConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 CHOICES = {
@@ -157,6 +166,7 @@ NUMBER_RANGES = (
     ("engine.image_grid_every_steps", ">=", 0, "0 disables the grid"),
     ("engine.max_steps", ">=", 0, "0: the whole schedule"),
     ("hvs.selection_size", ">=", 1, "pixels"),
+    ("monitor.online_probe_lr", ">", 0, "the online probe's Adam lr"),
 )
 
 

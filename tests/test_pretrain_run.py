@@ -130,7 +130,8 @@ def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_
 def test_resumed_run_equals_the_uninterrupted_one_across_an_epoch_with_a_remainder(digits, tmp_path):
     """44 batches per epoch, 3 micro-batches per optimizer step: 14 steps per epoch, 2 batches left over. A run
     killed mid-way and resumed must take the same steps as an uninterrupted one: same losses, same lrs, same
-    parameters after step 16 (the second epoch's second step), the augmentation draws included."""
+    parameters after step 16 (the second epoch's second step), the augmentation draws included, and the same
+    online linear probe (its state travels in the checkpoint, outside the engine)."""
     common = ("optim.grad_accum=3", "optim.epochs=2", "engine.max_steps=16", "engine.checkpoint_every_steps=3",
               "engine.image_grid_every_steps=0", "optim.warmup_epochs=0.5")
     straight = tmp_path / "straight"
@@ -156,6 +157,12 @@ def test_resumed_run_equals_the_uninterrupted_one_across_an_epoch_with_a_remaind
     killed_module = torch.load(killed / state, weights_only=False)["module"]
     for name, value in straight_module.items():
         torch.testing.assert_close(killed_module[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # the online probe (outside the engine) resumed too: same weights, same logged accuracies
+    straight_probe = torch.load(straight / state, weights_only=False)["task"]["online_probe"]["linear"]
+    killed_probe = torch.load(killed / state, weights_only=False)["task"]["online_probe"]["linear"]
+    for name, value in straight_probe.items():
+        torch.testing.assert_close(killed_probe[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert [x["monitor/online_linear_top1"] for x in a] == [y["monitor/online_linear_top1"] for y in b]
     trainer_state = json.loads((killed / "checkpoints/step00000015/trainer_state.json").read_text())
     assert (trainer_state["epoch"], trainer_state["batch_in_epoch"]) == (1, 3)   # whole steps, epoch 1
 

@@ -1,9 +1,10 @@
-"""Command line for writing datasets: `python -m pretrain.data {write,write-digits} --help`."""
+"""Command line for writing datasets: `python -m pretrain.data {write,write-digits,write-fashion-mnist} --help`."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from pretrain.data.fashion_mnist import FASHION_MNIST_DIR
 from pretrain.data.writer import DEFAULT_MAX_SIDE
 
 
@@ -39,7 +40,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Write the deep-metric-learning split instead: every image of the digits 0-4 to "
                              "OUT_DIR/train.beton, every image of 5-9 to OUT_DIR/test.beton (train on the first half "
                              "of the classes, retrieve among the unseen second half).")
+
+    fashion = commands.add_parser("write-fashion-mnist",
+                                  help="Write Fashion-MNIST to OUT_DIR/{train,test}.beton (the public benchmark).",
+                                  description="Write Fashion-MNIST's 60,000 train and 10,000 test images (28x28 "
+                                              "grayscale, stored raw as RGB) to OUT_DIR/train.beton and "
+                                              "OUT_DIR/test.beton from the four IDX files of Debian's "
+                                              "dataset-fashion-mnist (make install installs it).")
+    fashion.add_argument("--out-dir", required=True, help="Output folder (e.g. data/fashion_mnist).")
+    fashion.add_argument("--source-dir", default=str(FASHION_MNIST_DIR),
+                         help="Folder with train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+                              "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz. Default: %(default)s.")
+    fashion.add_argument("--force", action="store_true", help="Rewrite even when both .beton files already exist.")
+    fashion.add_argument("--limit", type=int, default=0,
+                         help="Write only the first LIMIT images of each split (a tiny set for smoke tests); "
+                              "0 writes them all. Default: 0.")
+    fashion.add_argument("--workers", type=int, default=2, help="Processes used to write. Default: 2.")
     return parser
+
+
+def print_reports(reports) -> None:
+    for report in reports:
+        if report.written < 0:
+            print(f"{report.out_path}: exists, kept (pass --force to rewrite)")
+        else:
+            print(report.summary())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,15 +82,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         print(report.summary())
-    else:
+    elif args.command == "write-digits":
         from pretrain.data.digits import write_digits
 
-        for report in write_digits(args.out_dir, force=args.force, write_mode=args.write_mode, workers=args.workers,
-                                   split_classes=args.split_classes):
-            if report.written < 0:
-                print(f"{report.out_path}: exists, kept (pass --force to rewrite)")
-            else:
-                print(report.summary())
+        print_reports(write_digits(args.out_dir, force=args.force, write_mode=args.write_mode, workers=args.workers,
+                                   split_classes=args.split_classes))
+    else:
+        from pretrain.data import DatasetError
+        from pretrain.data.fashion_mnist import write_fashion_mnist
+
+        try:
+            if args.limit < 0:
+                raise ValueError(f"--limit {args.limit} must be a number of images, or 0 to write them all")
+            print_reports(write_fashion_mnist(args.out_dir, source_dir=args.source_dir, force=args.force,
+                                              workers=args.workers, limit=args.limit))
+        except (DatasetError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -17,7 +17,8 @@ group 0's views first, then group 1's, and so on. A *combination* is a tuple of 
 larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen one, whose flat indices are
 `0 .. k-1` again.
 
-    forward(views) -> outputs                 one forward of all views; a dict of (B, n_total, ...) tensors
+    forward(views) -> outputs                 one forward of all views; a dict of (B, n_total, ...) tensors, with
+                                              "features": the backbone's (for the online monitors)
     batch_loss(engine, batch, position, autocast)   a ViewBatch -> (hard view selection) -> forward -> loss
     sample_loss(outputs, combination, labels) -> (B,)   per-sample loss of one combination
     candidate_losses(outputs, combinations, labels) -> (B, C)   all candidates (override to share work)
@@ -26,6 +27,8 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
     param_groups() -> [dict, ...]             optimizer groups; flags: no_decay, fixed_lr, frozen_steps
     after_step(step)                          EMA teacher / queue updates, once per optimizer step
     scalars() -> {name: float}                method-specific values to log (e.g. tcl/grad_pos)
+    monitor_scalars(features, labels)         monitor/rankme and the online probe's top-1 (monitor.*), from the
+                                              "features" output of `forward`: (B, n_total, D) backbone features
     state_outside_engine() / load_state_outside_engine(state)   what DeepSpeed does not checkpoint
     backbone_to_export() -> nn.Module         the backbone that eval / transfer read (`write_export` writes it)
     embedding_head_to_export() -> nn.Module | None   the head whose L2-normalised output the loss shapes, exported
@@ -36,6 +39,7 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -46,13 +50,16 @@ from omegaconf import DictConfig
 from torch import nn
 
 from pretrain.data.views import ViewBatch
+from pretrain.data.writer import classes_path
 from pretrain.hvs import select_hard_views
+from pretrain.online_monitors import OnlineLinearProbe, rankme
 from pretrain.task import BatchLoss, BatchPosition, TrainingTask
 
 
 class Method(TrainingTask):
-    """Defaults for the optional parts of the protocol; subclasses define forward and sample_loss. after_step,
-    scalars and the state outside the engine default to nothing (TrainingTask's defaults)."""
+    """Defaults for the optional parts of the protocol; subclasses define forward and sample_loss. after_step
+    and scalars default to nothing (TrainingTask's defaults); the state outside the engine holds the online
+    probe (subclasses with more extend it)."""
 
     # Hard view selection logs the IoU of a combination as the mean IoU over pairs of its first
     # `iou_views` views (None: all of them). DINO sets 2: the IoU of its two global crops.
@@ -89,12 +96,49 @@ class Method(TrainingTask):
         with autocast():
             outputs = engine(views)
         loss = self.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
+        scalars = self.monitor_scalars(outputs["features"], batch.labels) if "features" in outputs else {}
         if selection is None:
-            return BatchLoss(loss)
+            return BatchLoss(loss, scalars)
         shown = min(8, batch.batch_size)
-        return BatchLoss(loss, selection.stats,
+        return BatchLoss(loss, {**selection.stats, **scalars},
                          images=lambda: {"hvs/pool": self.denormalise(batch.views[0][:shown]),
                                          "hvs/selected": self.denormalise(selection.views[0][:shown])})
+
+    # ==== online monitors (pretrain/online_monitors.py): on the training forward's backbone features ====
+    def monitor_scalars(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """monitor/rankme of the first view's features, and the online probe's top-1 on the first view group's
+        (features: (B, n_total, D) from `forward`'s "features"). The same keys on every process."""
+        scalars = {}
+        if self.cfg.monitor.rankme:
+            scalars["monitor/rankme"] = rankme(features[:, 0])
+        probe = self.online_probe()
+        if probe is not None:
+            first_group = features[:, :self.train_counts[0]]
+            scalars["monitor/online_linear_top1"] = probe.update(
+                first_group.flatten(0, 1), labels.repeat_interleave(first_group.shape[1]))
+        return scalars
+
+    def online_probe(self) -> OnlineLinearProbe | None:
+        """The online linear probe, built on first use; None when monitor.online_probe is off or the training
+        data has no class names (OUT.classes.json next to the .beton) to size it."""
+        if "online_linear_probe" not in self.__dict__:
+            classes = classes_path(self.cfg.data.train)
+            probe = None
+            if self.cfg.monitor.online_probe and classes.exists():
+                probe = OnlineLinearProbe(self.backbone_to_export().num_features, len(json.loads(classes.read_text())),
+                                          self.cfg.monitor.online_probe_lr, self.cfg.seed)
+            self.__dict__["online_linear_probe"] = probe          # outside the module registry: DeepSpeed never sees it
+        return self.__dict__["online_linear_probe"]
+
+    def state_outside_engine(self) -> dict:
+        """The online probe's state; methods with more state outside the engine (DINO, s-MoCo) extend it."""
+        probe = self.online_probe()
+        return {} if probe is None else {"online_probe": probe.state_dict()}
+
+    def load_state_outside_engine(self, state: dict) -> None:
+        probe = self.online_probe()
+        if probe is not None and "online_probe" in state:      # checkpoints from before the probe: a fresh one
+            probe.load_state_dict(state["online_probe"])
 
     def denormalise(self, views: torch.Tensor) -> torch.Tensor:
         """Normalised views -> pixels in [0, 1], to show them."""
@@ -142,11 +186,12 @@ def split_decay_groups(module: nn.Module, **flags) -> list[dict]:
     return [{"params": decay, **flags}, {"params": no_decay, "no_decay": True, **flags}]
 
 
-def encode_view_groups(encoder: nn.Module, views: list[torch.Tensor]) -> torch.Tensor:
-    """[(B, n_g, C, H_g, W_g), ...] -> (B, sum n_g, D) in flat view order.
+def encode_view_groups(encoder: nn.Module, views: list[torch.Tensor], head: nn.Module | None = None):
+    """[(B, n_g, C, H_g, W_g), ...] -> (B, sum n_g, D) in flat view order; with a `head`, the pair (encoder
+    features, head outputs), both (B, sum n_g, ...).
 
-    Consecutive groups of the same resolution go through the encoder in one call (DINO's globals, then its
-    locals), so BatchNorm sees them as one batch.
+    Consecutive groups of the same resolution go through the encoder (and the head) in one call (DINO's globals,
+    then its locals), so BatchNorm sees them as one batch.
     """
     batch = views[0].shape[0]
     runs: list[list[torch.Tensor]] = []
@@ -155,11 +200,16 @@ def encode_view_groups(encoder: nn.Module, views: list[torch.Tensor]) -> torch.T
             runs[-1].append(group)
         else:
             runs.append([group])
-    encoded = []
+    features, outputs = [], []
     for run in runs:
         stack = torch.cat(run, dim=1)
-        encoded.append(encoder(stack.flatten(0, 1)).unflatten(0, (batch, stack.shape[1])))
-    return torch.cat(encoded, dim=1)
+        encoded = encoder(stack.flatten(0, 1))
+        features.append(encoded.unflatten(0, (batch, stack.shape[1])))
+        if head is not None:
+            outputs.append(head(encoded).unflatten(0, (batch, stack.shape[1])))
+    if head is None:
+        return torch.cat(features, dim=1)
+    return torch.cat(features, dim=1), torch.cat(outputs, dim=1)
 
 
 def require_one_view_group(cfg: DictConfig, min_count: int = 2, max_count: int | None = None) -> None:

@@ -233,9 +233,9 @@ class DINO(Method):
         # The teacher runs in fp32 whatever the precision of the student: its sharpened output (temperature 0.04)
         # is the target, and it costs one forward of the two globals without a backward.
         with torch.no_grad(), torch.autocast(views[0].device.type, enabled=False):
-            features = encode_view_groups(teacher["backbone"], [v.float() for v in views[:NUM_GLOBAL_GROUPS]])
-            logits = teacher["head"](features.flatten(0, 1)).unflatten(0, features.shape[:2])
-        return {"student": student, "teacher": logits}
+            teacher_features = encode_view_groups(teacher["backbone"], [v.float() for v in views[:NUM_GLOBAL_GROUPS]])
+            logits = teacher["head"](teacher_features.flatten(0, 1)).unflatten(0, teacher_features.shape[:2])
+        return {"student": student, "teacher": logits, "features": features}
 
     def sample_loss(self, outputs: dict[str, torch.Tensor], combination: Sequence[int],
                     labels: torch.Tensor) -> torch.Tensor:
@@ -356,12 +356,13 @@ class DINO(Method):
         from pretrain.distributed import average_buffers
 
         average_buffers(self.teacher)
-        return {"teacher": {name: t.detach().cpu().clone() for name, t in self.teacher.state_dict().items()},
+        return {**super().state_outside_engine(), "teacher": {name: t.detach().cpu().clone() for name, t in self.teacher.state_dict().items()},
                 "center": self.center.detach().cpu().clone(), "steps_done": self.steps_done}
 
     def load_state_outside_engine(self, state: dict) -> None:
         if not state:
             return
+        super().load_state_outside_engine(state)
         self.teacher.load_state_dict(state["teacher"])
         self.__dict__["center"] = state["center"].to(self.center.device)
         self.steps_done = int(state["steps_done"])

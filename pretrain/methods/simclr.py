@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 
 from pretrain.losses.ntxent import nt_xent_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
@@ -51,7 +50,8 @@ class SimCLR(Method):
                               "must be >= 0 (1 and 1: NT-Xent)")
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"z": encode_view_groups(nn.Sequential(self.backbone, self.projector), views)}
+        features, z = encode_view_groups(self.backbone, views, head=self.projector)
+        return {"z": z, "features": features}
 
     def sample_loss(self, outputs: dict[str, torch.Tensor], pair: Sequence[int], labels: torch.Tensor) -> torch.Tensor:
         # Scored as training scores: against the negatives of every process when method.gather_negatives (the HVS

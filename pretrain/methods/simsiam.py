@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 
 from pretrain.losses.negative_cosine import negative_cosine_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
@@ -41,9 +40,9 @@ class SimSiam(Method):
         require_one_view_group(cfg, 2, 2)
 
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        z = encode_view_groups(nn.Sequential(self.backbone, self.projector), views)
+        features, z = encode_view_groups(self.backbone, views, head=self.projector)
         p = self.predictor(z.flatten(0, 1)).unflatten(0, z.shape[:2])
-        return {"z": z, "p": p}
+        return {"z": z, "p": p, "features": features}
 
     def sample_loss(self, outputs: dict[str, torch.Tensor], pair: Sequence[int], labels: torch.Tensor) -> torch.Tensor:
         z, p = outputs["z"], outputs["p"]

@@ -180,8 +180,8 @@ class SMoCo(Method):
     # ==== forward and losses ====
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         # Normalised in fp32: under bf16 the loss still sees unit vectors.
-        z = encode_view_groups(nn.Sequential(self.backbone, self.projector), views)
-        outputs = {"z": F.normalize(z.float(), dim=-1)}
+        features, z = encode_view_groups(self.backbone, views, head=self.projector)
+        outputs = {"z": F.normalize(z.float(), dim=-1), "features": features}
         self.place(views[0].device)
         if self.training:
             self.key_encoder.train()
@@ -299,7 +299,7 @@ class SMoCo(Method):
         def cpu(tensor):
             return None if tensor is None else tensor.detach().cpu().clone()
 
-        return {"key_encoder": {name: t.detach().cpu().clone() for name, t in self.key_encoder.state_dict().items()},
+        return {**super().state_outside_engine(), "key_encoder": {name: t.detach().cpu().clone() for name, t in self.key_encoder.state_dict().items()},
                 "queue": cpu(self.queue), "queue_labels": cpu(self.queue_labels), "queue_next": self.queue_next,
                 "queue_filled": self.queue_filled, "probe": cpu(self.probe),
                 "probe_embedding": cpu(self.probe_embedding), "steps_done": self.steps_done}
@@ -307,6 +307,7 @@ class SMoCo(Method):
     def load_state_outside_engine(self, state: dict) -> None:
         if not state:
             return
+        super().load_state_outside_engine(state)
         self.key_encoder.load_state_dict(state["key_encoder"])
         device = self.queue.device
         self.__dict__["queue"] = state["queue"].to(device)

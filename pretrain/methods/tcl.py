@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from pretrain.losses.tcl import tcl_loss_and_gradient_means, tcl_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
@@ -76,8 +75,8 @@ class TCL(Method):
     # ---- the method protocol ----
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         # Normalised in fp32: under bf16 the loss still sees unit vectors.
-        z = encode_view_groups(nn.Sequential(self.backbone, self.projector), views)
-        return {"z": F.normalize(z.float(), dim=-1)}
+        features, z = encode_view_groups(self.backbone, views, head=self.projector)
+        return {"z": F.normalize(z.float(), dim=-1), "features": features}
 
     def sample_loss(self, outputs: dict[str, torch.Tensor], combination: Sequence[int],
                     labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,86 @@
+"""What a pretraining run logs about its representation while it trains (`monitor.*` keys), at little cost:
+
+- `monitor/rankme`: the effective rank of the batch's backbone features (RankMe, Garrido et al., ICML 2023,
+  eq. 1): with the singular values s of the (B, D) feature matrix, p_k = s_k / ||s||_1 + eps and
+  RankMe = exp(-sum_k p_k log p_k). It lies between 1 and min(B, D). A collapsing run shows it falling towards
+  1 (every image mapped to one direction: SimSiam's and DINO's collapse) while the loss looks fine; a healthy
+  run keeps it high or rising. Computed on one batch per process (B images, the first view), it is capped by
+  the batch size and is noisier than the paper's 25,600-image estimate: read its trend, not its value.
+- `monitor/online_linear_top1`: an online linear probe (as solo-learn's and lightly's online classifier), a
+  linear classifier on the *detached* backbone features of the training batch's first view group, trained on
+  the batch's labels with its own optimizer (Adam, lr `monitor.online_probe_lr`: its steps do not depend on
+  the scale of the features, which differs between backbones and changes during training), never through
+  the DeepSpeed engine: the backbone's gradients and the global gradient clipping do not see it. Logged is
+  its top-1 on each batch before the batch's update (a running training accuracy, not a validation score).
+  Its gradients are averaged over the processes, so every process holds the same probe, and its state
+  travels in the checkpoint: a resumed run logs what the uninterrupted one logs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+RANKME_EPS = 1e-7          # Garrido et al. 2023's epsilon
+
+
+def rankme(features: torch.Tensor, eps: float = RANKME_EPS) -> float:
+    """RankMe (Garrido et al. 2023, eq. 1) of a (N, D) matrix: exp of the entropy of its normalised singular values."""
+    singular_values = torch.linalg.svdvals(features.detach().float())
+    p = singular_values / singular_values.sum() + eps
+    return float(torch.exp(-(p * torch.log(p)).sum()))
+
+
+class OnlineLinearProbe:
+    """A linear classifier on detached features with its own Adam optimizer; `update` returns the batch's top-1
+    before the step. Not an nn.Module of the method, so DeepSpeed neither wraps nor steps it."""
+
+    def __init__(self, num_features: int, num_classes: int, lr: float, seed: int):
+        # Drawn from its own generator: the global random state, which the model and the run draw from, is left
+        # as it was (nn.Linear's own initialisation, overwritten here, draws from it, hence fork_rng).
+        generator = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):
+            self.linear = nn.Linear(num_features, num_classes)
+        with torch.no_grad():
+            bound = 1.0 / num_features ** 0.5                  # nn.Linear's default initialisation
+            self.linear.weight.uniform_(-bound, bound, generator=generator)
+            self.linear.bias.uniform_(-bound, bound, generator=generator)
+        self.optimizer = torch.optim.Adam(self.linear.parameters(), lr=lr)
+        self.num_classes = num_classes
+
+    def to(self, device: torch.device) -> OnlineLinearProbe:
+        if self.linear.weight.device != device:
+            self.linear.to(device)
+            for state in self.optimizer.state.values():
+                for name, value in state.items():
+                    if torch.is_tensor(value):
+                        state[name] = value.to(device)
+        return self
+
+    def update(self, features: torch.Tensor, labels: torch.Tensor) -> float:
+        """One Adam step on (N, D) features (detached here) and (N,) labels; images labelled -1 (unknown) are
+        left out. Returns the top-1 of the probe before the step on the labelled images (nan if none); every
+        process must call it (the gradients are all-reduced)."""
+        self.to(features.device)
+        known = labels >= 0
+        with torch.enable_grad():
+            logits = self.linear(features.detach().float()[known])
+            loss = F.cross_entropy(logits, labels[known], reduction="sum") / max(int(known.sum()), 1)
+            self.optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            for parameter in self.linear.parameters():
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= dist.get_world_size()
+        self.optimizer.step()
+        if not known.any():
+            return float("nan")
+        return float((logits.argmax(dim=1) == labels[known]).float().mean())
+
+    def state_dict(self) -> dict:
+        return {"linear": self.linear.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.linear.load_state_dict(state["linear"])
+        self.optimizer.load_state_dict(state["optimizer"])

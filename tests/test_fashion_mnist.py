@@ -1,0 +1,83 @@
+"""Fashion-MNIST, the public benchmark: the IDX files Debian installs, read and checked; bad files refused by
+name with the install command and nothing written; a tiny pretraining run on the written set, evaluated.
+`make install` installs the files (Debian's dataset-fashion-mnist), as it installs FFCV's libraries."""
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pretrain.data.fashion_mnist import CLASS_NAMES, FASHION_MNIST_DIR, SPLITS, read_fashion_mnist
+from tests.run_helpers import ROOT, run
+
+
+def test_the_installed_files_hold_60000_and_10000_balanced_images():
+    splits = read_fashion_mnist()
+    for split, (_, _, count) in SPLITS.items():
+        images, labels = splits[split]
+        assert images.shape == (count, 28, 28) and images.dtype == np.uint8
+        assert np.bincount(labels).tolist() == [count // 10] * 10        # 6,000 / 1,000 per class
+    assert 70 < splits["train"][0].mean() < 75                           # the published mean, 72.9 (0.286)
+
+
+def write(source: Path, out: Path, *extra: str, expect: int = 0):
+    return run([sys.executable, "-m", "pretrain.data", "write-fashion-mnist", "--out-dir", str(out),
+                "--source-dir", str(source), *extra], expect=expect)
+
+
+@pytest.fixture()
+def source(tmp_path) -> Path:
+    """A copy of the installed IDX files, to damage."""
+    copy = tmp_path / "idx"
+    shutil.copytree(FASHION_MNIST_DIR, copy)
+    return copy
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "not_gzip", "foreign", "wrong_count"])
+def test_a_bad_file_is_named_with_the_install_command_and_nothing_is_written(source, tmp_path, damage):
+    # the test labels: the last file read, so the train split would have been written by a writer that wrote
+    # as it read
+    bad = source / SPLITS["test"][1]
+    if damage == "missing":
+        bad.unlink()
+    elif damage == "truncated":
+        bad.write_bytes(bad.read_bytes()[:-100])
+    elif damage == "not_gzip":
+        bad.write_bytes(b"<html>404 Not Found</html>")
+    elif damage == "foreign":                                            # an images file under the labels' name
+        shutil.copy(source / SPLITS["test"][0], bad)
+    else:                                                                # a well-formed IDX file of 9,999 labels
+        labels = gzip.decompress(bad.read_bytes())
+        bad.write_bytes(gzip.compress(labels[:4] + (9999).to_bytes(4, "big") + labels[8:-1]))
+    out = tmp_path / "out"
+    result = write(source, out, expect=2)
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: ") and str(bad) in message and "dataset-fashion-mnist" in message, message
+    assert not out.exists() or not list(out.iterdir())
+
+
+@pytest.mark.slow
+def test_a_tiny_benchmark_run_trains_and_is_evaluated_on_the_written_test_set(tmp_path):
+    """The writer with --limit, then a few steps of the benchmark's SimCLR config with both online monitors,
+    then k-NN on the written test images."""
+    data = tmp_path / "fashion_mnist"
+    written = write(FASHION_MNIST_DIR, data, "--limit", "320")
+    assert "wrote 320 images in 10 classes" in written.stdout
+    assert json.loads((data / "train.classes.json").read_text()) == CLASS_NAMES
+    run_dir = tmp_path / "run"
+    run([sys.executable, "-m", "pretrain", "--config", str(ROOT / "configs/pretrain/simclr_fashion_mnist.yaml"),
+         f"run_dir={run_dir}", f"data.train={data / 'train.beton'}", f"data.val={data / 'test.beton'}",
+         "data.batch_size=32", "model.proj_hidden_dim=64", "optim.epochs=1", "engine.max_steps=4",
+         "engine.image_grid_every_steps=0"])
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [1, 2, 3, 4]
+    for line in logged:
+        assert 1.0 <= line["monitor/rankme"] <= 32.0
+        assert 0.0 <= line["monitor/online_linear_top1"] <= 1.0
+    knn = run([sys.executable, "-m", "eval", "knn", "--run", str(run_dir), "--ks", "20"])
+    assert "top-1" in knn.stdout
+    result = json.loads(next((run_dir / "eval").glob("knn_step*.json")).read_text())
+    assert 0.3 < result["top1"]["20"] <= 1.0             # 10 classes: chance is 0.1; 320 test images scored
