@@ -1,4 +1,4 @@
-"""Command line of the evaluation stage: `python -m eval knn|linear|retrieval --run RUN_DIR`.
+"""Command line of the evaluation stage: `python -m eval knn|linear|retrieval --run RUN_DIR`, `python -m eval plot`.
 
 Each command reads only the backbone export (RUN_DIR/backbone.pth or --checkpoint FILE) and the run
 config saved inside it, encodes the train and val .beton files with the frozen backbone (features are
@@ -306,9 +306,9 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`python -m eval {knn,linear,retrieval,watch} [options]`."""
+    """`python -m eval {knn,linear,retrieval,watch,plot} [options]`."""
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,retrieval,watch}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,retrieval,watch,plot}")
 
     knn = commands.add_parser("knn", help="weighted k-NN top-1 on frozen features (DINO protocol)",
                               description="Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised "
@@ -372,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_arguments(follow)
     add_data_options(follow)
     follow.set_defaults(handler=functools.partial(watch.watch, evaluate=evaluate))
+
+    from eval import plot
+    curves = commands.add_parser("plot", help="plot k-NN accuracy against training step for runs (PNG)",
+                                 description=plot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plot.add_arguments(curves)
+    curves.set_defaults(handler=plot.run_plot)
     return parser
 
 

@@ -62,7 +62,7 @@ def test_a_bad_file_is_named_with_the_install_command_and_nothing_is_written(sou
 @pytest.mark.slow
 def test_a_tiny_benchmark_run_trains_and_is_evaluated_on_the_written_test_set(tmp_path):
     """The writer with --limit, then a few steps of the benchmark's SimCLR config with both online monitors,
-    then k-NN on the written test images."""
+    then k-NN on the written test images, then the learning-curve plot."""
     data = tmp_path / "fashion_mnist"
     written = write(FASHION_MNIST_DIR, data, "--limit", "320")
     assert "wrote 320 images in 10 classes" in written.stdout
@@ -81,3 +81,12 @@ def test_a_tiny_benchmark_run_trains_and_is_evaluated_on_the_written_test_set(tm
     assert "top-1" in knn.stdout
     result = json.loads(next((run_dir / "eval").glob("knn_step*.json")).read_text())
     assert 0.3 < result["top1"]["20"] <= 1.0             # 10 classes: chance is 0.1; 320 test images scored
+
+    # the learning-curve plot of the run's results; a run without any is refused by name
+    png = tmp_path / "curves.png"
+    plotted = run([sys.executable, "-m", "eval", "plot", str(run_dir), "--online", "--out", str(png)])
+    assert f"run: 1 k-NN point(s), last {100 * result['top1']['20']:.2f}% at step 4" in plotted.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    (tmp_path / "empty").mkdir()
+    refused = run([sys.executable, "-m", "eval", "plot", str(tmp_path / "empty"), "--out", str(png)], expect=2)
+    assert "has no k-NN result" in refused.stderr and "python -m eval watch" in refused.stderr

@@ -1,0 +1,108 @@
+"""`python -m eval plot RUN_DIR... --out FILE.png`: learning curves of pretraining runs from their results.
+
+For every run, the k-NN top-1 (k = --k) of each evaluated export, RUN_DIR/eval/knn_stepNNNNNNN.json (written by
+`python -m eval knn`, or by `python -m eval watch` for every checkpoint), against the training step; with
+--online, also the online linear probe's running top-1 (`monitor/online_linear_top1` in RUN_DIR/metrics.jsonl,
+smoothed over --smooth steps) as a dashed line of the same colour. A run is labelled by its directory name.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from eval.features import EvaluationInputError
+from eval.results import RESULTS_DIR
+
+KNN_RESULT = re.compile(r"knn_step(\d{7})\.json")
+
+
+def knn_curve(run_dir: Path, k: int) -> list[tuple[int, float]]:
+    """(step, k-NN top-1 at k) of every k-NN result of the run, by step."""
+    points = []
+    for path in sorted((run_dir / RESULTS_DIR).glob("knn_step*.json")):
+        if not KNN_RESULT.fullmatch(path.name):
+            continue
+        result = json.loads(path.read_text())
+        top1 = result["top1"].get(str(k))
+        if top1 is None:
+            raise EvaluationInputError(f"{path} has no k-NN result at k={k} (it has k = {', '.join(result['top1'])}): "
+                                       f"pass one of those as --k, or rerun `python -m eval knn --ks {k}`")
+        points.append((int(result["step"]), float(top1)))
+    return sorted(points)
+
+
+def online_curve(run_dir: Path, smooth: int) -> list[tuple[int, float]]:
+    """(step, mean online-probe top-1 over the last `smooth` logged steps) from RUN_DIR/metrics.jsonl."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    values = []
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:                  # a line torn by a kill: the run rewrites it on resume
+            continue
+        if "monitor/online_linear_top1" in record:
+            values.append((int(record["step"]), float(record["monitor/online_linear_top1"])))
+    return [(step, sum(v for _, v in values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1]))
+            for i, (step, _) in enumerate(values)]
+
+
+def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False, smooth: int = 50,
+              title: str | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Draw the curves to `out` (PNG); return {run name: k-NN points}. EvaluationInputError for a run without a
+    k-NN result (and without online values when `online`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")                             # files only: no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    curves = {}
+    for index, run_dir in enumerate(run_dirs):
+        if not run_dir.is_dir():
+            raise EvaluationInputError(f"{run_dir} is not a run directory")
+        points = knn_curve(run_dir, k)
+        online_points = online_curve(run_dir, smooth) if online else []
+        if not points and not online_points:
+            raise EvaluationInputError(f"{run_dir} has no k-NN result ({run_dir / RESULTS_DIR}/knn_step*.json): run "
+                                       f"`python -m eval watch --run {run_dir}` (every checkpoint) or `python -m eval "
+                                       f"knn --run {run_dir}` (the last) first")
+        colour = f"C{index % 10}"
+        if points:
+            axes.plot([s for s, _ in points], [100 * v for _, v in points], "o-", color=colour, label=run_dir.name)
+        if online_points:
+            axes.plot([s for s, _ in online_points], [100 * v for _, v in online_points], "--", color=colour,
+                      alpha=0.6, label=f"{run_dir.name} (online probe, train batches)")
+        curves[run_dir.name] = points
+    axes.set_xlabel("training step")
+    axes.set_ylabel(f"k-NN top-1 (k = {k}), %")
+    axes.set_title(title or "k-NN accuracy during pretraining")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return curves
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="pretraining run directories")
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write (e.g. docs/knn_curves.png)")
+    parser.add_argument("--k", type=int, default=20, help="the k-NN result's k to plot (default: %(default)s)")
+    parser.add_argument("--online", action="store_true",
+                        help="also draw the online linear probe's running top-1 (monitor/online_linear_top1)")
+    parser.add_argument("--smooth", type=int, default=50,
+                        help="steps the online probe's top-1 is averaged over (default: %(default)s)")
+    parser.add_argument("--title", help="the figure's title (default: k-NN accuracy during pretraining)")
+
+
+def run_plot(args) -> int:
+    curves = plot_runs(args.runs, args.out, args.k, args.online, args.smooth, args.title)
+    for name, points in curves.items():
+        last = f"{100 * points[-1][1]:.2f}% at step {points[-1][0]}" if points else "no k-NN result"
+        print(f"{name}: {len(points)} k-NN point(s), last {last}")
+    print(f"wrote {args.out}")
+    return 0
