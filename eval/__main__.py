@@ -306,9 +306,9 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`python -m eval {knn,linear,retrieval,watch,plot} [options]`."""
+    """`python -m eval {knn,linear,retrieval,watch,baselines,plot} [options]`."""
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,retrieval,watch,plot}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,retrieval,watch,baselines,plot}")
 
     knn = commands.add_parser("knn", help="weighted k-NN top-1 on frozen features (DINO protocol)",
                               description="Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised "
@@ -372,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_arguments(follow)
     add_data_options(follow)
     follow.set_defaults(handler=functools.partial(watch.watch, evaluate=evaluate))
+
+    from eval import baselines
+    anchors = commands.add_parser("baselines", help="raw pixels and the random-init backbone on a config's data "
+                                                    "(k-NN and linear probe)",
+                                  description=baselines.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    baselines.add_arguments(anchors)
+    anchors.set_defaults(handler=baselines.run_baselines)
 
     from eval import plot
     curves = commands.add_parser("plot", help="plot k-NN accuracy against training step for runs (PNG)",

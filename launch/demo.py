@@ -19,33 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
-from eval.features import extract_features, load_backbone_export, resolve_device
-from eval.knn import weighted_knn
-from eval.linear import train_linear_probe
+from eval.baselines import evaluate_encoder, random_init_backbone
+from eval.features import load_backbone_export, resolve_device
 from pretrain.config import load_config
 from pretrain.data.digits import write_digits
-from pretrain.data.loader import build_image_loader
-from pretrain.models import create_backbone
 from transfer.digit_scenes import write_moved_digits
 
 CONFIG = "configs/pretrain/simclr_digits.yaml"
 FINETUNE_CONFIG = "configs/transfer/finetune_digits.yaml"
-
-
-def evaluate(encode, cfg, device, train: Path, val: Path) -> dict[str, float]:
-    """k-NN (k=20, T=0.07) and linear-probe top-1 of `encode`, trained on `train`, scored on `val`."""
-    size = cfg.data.views[0].size
-    def features(path):
-        loader = build_image_loader(path, size, 256, device=device, mean=tuple(cfg.data.mean),
-                                    std=tuple(cfg.data.std), num_workers=cfg.data.num_workers,
-                                    crop_fraction=cfg.data.eval_crop_fraction)
-        return extract_features(encode, loader, device)
-    train_x, train_y = features(train)
-    val_x, val_y = features(val)
-    return {"knn": weighted_knn(train_x, train_y, val_x, val_y, ks=(20,))[20],
-            "linear": train_linear_probe(train_x, train_y, val_x, val_y, device=device).final}
 
 
 def run_stage(command: list[str]) -> bool:
@@ -96,12 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(CONFIG, overrides)
     device = resolve_device("auto")
     pretrained = load_backbone_export(run_dir / "backbone.pth").backbone.to(device).eval()
-    torch.manual_seed(cfg.seed)
-    random_init = create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size,
-                                  cfg.model.zero_init_residual).to(device).eval()
+    random_init = random_init_backbone(cfg).to(device)
     encoders = {"pretrained": pretrained, "random_init": random_init, "raw_pixels": lambda x: x.flatten(1)}
-    plain = {name: evaluate(encode, cfg, device, cfg.data.train, cfg.data.val) for name, encode in encoders.items()}
-    shifted = {name: evaluate(encode, cfg, device, moved["train"], moved["val"]) for name, encode in encoders.items()}
+    plain = {name: evaluate_encoder(encode, cfg, device, cfg.data.train, cfg.data.val)
+             for name, encode in encoders.items()}
+    shifted = {name: evaluate_encoder(encode, cfg, device, moved["train"], moved["val"])
+               for name, encode in encoders.items()}
 
     # ==== 4. transfer: fine-tuning with 10% of the labels (and detection) vs the same network from random init ====
     table = {protocol: {name: round(plain[name][protocol], 4) for name in encoders} for protocol in ("knn", "linear")}

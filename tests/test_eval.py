@@ -342,3 +342,23 @@ def test_cli_knn_end_to_end_on_digits(digits, tmp_path):
     scalars = read_scalars(run / "tb")
     for k in (10, 20, 100, 200):
         assert scalars[f"eval/knn_top1_k{k}"] == [(40, pytest.approx(result["top1"][str(k)]))]
+
+
+@pytest.mark.slow
+def test_baselines_reproduce_the_demos_anchor_rows_and_write_one_result(digits, tmp_path):
+    """`python -m eval baselines` on the digits config: raw pixels and the random-init ResNet-18, by k-NN and the
+    linear probe, the numbers of the README's anchor rows (the demo computes them with the same function)."""
+    out = tmp_path / "baselines"
+    finished = run_module("eval", "baselines", "--config", str(REPO_ROOT / "configs/pretrain/simclr_digits.yaml"),
+                          "--out-dir", str(out), f"data.train={digits / 'train.beton'}",
+                          f"data.val={digits / 'val.beton'}")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads((out / "eval/baselines_step0000000.json").read_text())
+    assert result["raw_pixels"]["knn"] == pytest.approx(0.9722, abs=1e-4)       # README: 97.22% / 95.83%
+    assert result["raw_pixels"]["linear"] == pytest.approx(0.9583, abs=1e-4)
+    assert result["random_init"]["knn"] == pytest.approx(0.9194, abs=1e-4)      # README: 91.94% / 95.28%
+    assert result["random_init"]["linear"] == pytest.approx(0.9528, abs=1e-4)
+    assert "raw_pixels" in finished.stdout and "97.22%" in finished.stdout
+    refused = run_module("eval", "baselines", "--config", str(REPO_ROOT / "configs/pretrain/simclr_digits.yaml"),
+                         "optim.lrr=1")
+    assert refused.returncode == 2 and "did you mean 'optim.lr'" in refused.stderr

@@ -1,0 +1,92 @@
+"""`python -m eval baselines --config CONFIG`: the anchors a pretrained encoder is compared with, on the config's
+data and with its evaluation preprocessing: raw pixels and the config's backbone at its random initialisation
+(seed `seed` of the config), each by k-NN (k = 20, T = 0.07) and the linear probe (100 epochs, cached
+features), the protocols of `python -m eval knn` and `python -m eval linear` with their defaults.
+
+The result goes to OUT_DIR/eval/baselines_step0000000.json (and its TensorBoard scalars, `baseline/...`):
+{"raw_pixels": {"knn": top-1, "linear": top-1}, "random_init": {...}, "image_size": ..., "train": ..., ...}.
+`make demo` computes its random-init and raw-pixel rows with the same function (`evaluate_encoder`).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig
+
+from eval.features import extract_features, resolve_device
+from eval.knn import weighted_knn
+from eval.linear import train_linear_probe
+from eval.results import write_result
+
+KNN_K, KNN_TEMPERATURE = 20, 0.07
+
+
+def evaluate_encoder(encode: Callable[[torch.Tensor], torch.Tensor], cfg: DictConfig, device: torch.device,
+                     train: str | Path, val: str | Path, image_size: int | None = None) -> dict[str, float]:
+    """k-NN (k=20, T=0.07) and linear-probe top-1 of `encode`, trained on `train`, scored on `val`, on images of
+    `image_size` px (default: the config's first view size) preprocessed as the config's evaluation does."""
+    from pretrain.data.loader import build_image_loader
+
+    size = image_size or cfg.data.views[0].size
+
+    def features(path):
+        loader = build_image_loader(path, size, 256, device=device, mean=tuple(cfg.data.mean),
+                                    std=tuple(cfg.data.std), num_workers=cfg.data.num_workers,
+                                    crop_fraction=cfg.data.eval_crop_fraction)
+        return extract_features(encode, loader, device)
+
+    train_x, train_y = features(train)
+    val_x, val_y = features(val)
+    return {"knn": weighted_knn(train_x, train_y, val_x, val_y, ks=(KNN_K,), temperature=KNN_TEMPERATURE)[KNN_K],
+            "linear": train_linear_probe(train_x, train_y, val_x, val_y, device=device).final}
+
+
+def random_init_backbone(cfg: DictConfig) -> torch.nn.Module:
+    """The config's backbone at its random initialisation, drawn from the config's seed, in eval mode."""
+    from pretrain.models import create_backbone
+
+    torch.manual_seed(cfg.seed)
+    return create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size, cfg.model.zero_init_residual).eval()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", required=True, help="a pretraining config: its data, preprocessing and backbone")
+    parser.add_argument("--out-dir", type=Path,
+                        help="where the result goes (default: runs/baselines_NAME, NAME the config's name)")
+    parser.add_argument("--image-size", type=int, metavar="PIXELS",
+                        help="evaluation image side (default: data.views[0].size of the config)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the config")
+
+
+def run_baselines(args) -> int:
+    import sys
+
+    from pretrain.config import load_config
+    from pretrain.config_error import ConfigError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    out_dir = args.out_dir or Path("runs") / f"baselines_{cfg.name}"
+    started = time.time()
+    encoders = {"raw_pixels": lambda x: x.flatten(1), "random_init": random_init_backbone(cfg).to(device)}
+    table = {name: evaluate_encoder(encode, cfg, device, cfg.data.train, cfg.data.val, args.image_size)
+             for name, encode in encoders.items()}
+    result = {**table, "image_size": args.image_size or cfg.data.views[0].size, "arch": cfg.model.arch,
+              "seed": cfg.seed, "train": str(cfg.data.train), "val": str(cfg.data.val),
+              "knn": {"k": KNN_K, "temperature": KNN_TEMPERATURE}, "seconds": round(time.time() - started, 1)}
+    path = write_result(out_dir, "baselines", 0, result,
+                        {f"baseline/{name}_{protocol}": value for name, row in table.items()
+                         for protocol, value in row.items()})
+    print(f"{'encoder':<14}{'k-NN':>10}{'linear':>10}")
+    for name, row in table.items():
+        print(f"{name:<14}{row['knn']:>10.2%}{row['linear']:>10.2%}")
+    print(f"results: {path}")
+    return 0
