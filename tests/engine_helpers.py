@@ -35,3 +35,29 @@ def engine_for(cfg, method):
 
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
     return initialize_engine(method, optimizer, LoopOptions.from_config(cfg))
+
+
+def one_sgd_step_and_its_reference(cfg, lr: float):
+    """A fresh method (seed 0) takes one SGD step of `lr` through the engine, as the loop takes it (`train_step`,
+    with the gradient edits), on the views of seed 3; a copy of it made before the step computes the same loss's
+    gradients by hand. Returns (method, engine, reference copy, its gradients); the caller compares."""
+    import copy
+
+    from pretrain.data.views import ViewBatch
+    from pretrain.loop import train_step
+    from pretrain.methods import build_method
+    from pretrain.optim import set_schedule_values
+    from pretrain.task import BatchPosition
+
+    torch.manual_seed(0)
+    method = build_method(cfg).train()
+    reference = copy.deepcopy(method)
+    engine, optimizer, gradient_edits = engine_for(cfg, method)
+    engine.train()
+    views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(3))
+    set_schedule_values(optimizer, lr, 0.0, lr, 0)
+    train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
+               BatchPosition(0, 0, 0, 0), gradient_edits=gradient_edits)
+    outputs = reference(views)
+    reference.loss({k: v.float() for k, v in outputs.items()}, labels).backward()
+    return method, engine, reference, [p.grad for p in reference.parameters()]

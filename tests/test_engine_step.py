@@ -20,7 +20,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.engine_helpers import CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for, views_and_boxes
+from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for,
+                                  one_sgd_step_and_its_reference, views_and_boxes)
 
 pytestmark = pytest.mark.slow          # one worker process: DeepSpeed steps of every method under every ZeRO stage
 
@@ -143,11 +144,6 @@ def clipping_as_configured() -> dict:
     whole gradient, whatever its norm (DeepSpeed 0.19.8 clips at 1.0 when its config has no gradient_clipping
     key), with grad_clip=0.5 the gradient scaled to norm 0.5."""
     from pretrain.config import load_config
-    from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
-    from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
-    from pretrain.task import BatchPosition
 
     lr, results = 0.1, {}
     for stage in (0, 2):
@@ -155,19 +151,7 @@ def clipping_as_configured() -> dict:
             cfg = load_config(CONFIGS / "simclr_digits.yaml", [
                 *TINY, "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=sgd", "optim.momentum=0",
                 "optim.weight_decay=0", f"optim.grad_clip={clip}", "method.temperature=0.05"])
-            torch.manual_seed(0)
-            method = build_method(cfg).train()
-            reference = copy.deepcopy(method)
-            engine, optimizer, gradient_edits = engine_for(cfg, method)
-            engine.train()
-            views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(3))
-            set_schedule_values(optimizer, lr, 0.0, lr, 0)
-            train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
-                       BatchPosition(0, 0, 0, 0), gradient_edits=gradient_edits)
-
-            outputs = reference(views)
-            reference.loss({k: v.float() for k, v in outputs.items()}, labels).backward()
-            gradients = [p.grad for p in reference.parameters()]
+            method, engine, reference, gradients = one_sgd_step_and_its_reference(cfg, lr)
             norm = math.sqrt(sum(float(g.pow(2).sum()) for g in gradients))
             scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             with torch.no_grad():
@@ -179,7 +163,7 @@ def clipping_as_configured() -> dict:
                 "error": max((a - b).abs().max().item() for a, b in zip(trained, expected)),
                 "error_vs_clipped_at_1": max((a - b).abs().max().item() for a, b in zip(trained, at_one)),
                 "step_size": max((a - p).abs().max().item() for a, p in zip(expected, reference.parameters()))}
-            del engine, optimizer
+            del engine
     return results
 
 

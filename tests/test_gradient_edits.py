@@ -11,7 +11,6 @@
 Run as a module (`python -m tests.test_gradient_edits OUT_DIR`), this file is the worker: one process, its own
 process group, results in OUT_DIR/results.json.
 """
-import copy
 import json
 import subprocess
 import sys
@@ -20,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_helpers import CONFIGS, DINO_MULTI_CROP, ROOT, TINY, engine_for, views_and_boxes
+from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, ROOT, TINY, engine_for, one_sgd_step_and_its_reference,
+                                  views_and_boxes)
 
 pytestmark = pytest.mark.slow          # one worker process: a few DeepSpeed steps under four ZeRO stages
 
@@ -34,30 +34,13 @@ def per_parameter_clipping() -> dict:
     import deepspeed
 
     from pretrain.config import load_config
-    from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
-    from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
-    from pretrain.task import BatchPosition
 
     results = {}
     for stage in STAGES:
         cfg = load_config(CONFIGS / "simclr_digits.yaml", [
             *TINY, "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=sgd", "optim.momentum=0",
             "optim.weight_decay=0", "optim.grad_clip=0", f"optim.grad_clip_per_parameter={CLIP}"])
-        torch.manual_seed(0)
-        method = build_method(cfg).train()
-        reference = copy.deepcopy(method)
-        engine, optimizer, gradient_edits = engine_for(cfg, method)
-        engine.train()
-        views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(3))
-        set_schedule_values(optimizer, LR, 0.0, LR, 0)
-        train_step(engine, method, ViewBatch(views, boxes, labels, torch.arange(len(labels))),
-                   BatchPosition(0, 0, 0, 0), gradient_edits=gradient_edits)
-
-        outputs = reference(views)
-        reference.loss({k: v.float() for k, v in outputs.items()}, labels).backward()
-        gradients = [p.grad for p in reference.parameters()]
+        method, engine, reference, gradients = one_sgd_step_and_its_reference(cfg, LR)
         norms = [float(g.norm()) for g in gradients]
         global_norm = sum(n * n for n in norms) ** 0.5
         with torch.no_grad():
@@ -70,7 +53,7 @@ def per_parameter_clipping() -> dict:
             "error": max((a - b).abs().max().item() for a, b in zip(trained, expected)),
             "error_vs_global_clip": max((a - b).abs().max().item() for a, b in zip(trained, global_clip)),
             "step_size": LR * CLIP}
-        del engine, optimizer
+        del engine
     return results
 
 
