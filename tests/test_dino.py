@@ -131,7 +131,7 @@ def test_teacher_lives_outside_the_module_and_is_exported_unless_student():
 
 
 def test_head_last_layer_is_weight_normalised():
-    method = build_method(tiny_config())
+    method = build_method(tiny_config("method.norm_last_layer=true"))
     last = method.head.last_layer
     assert [name for name, _ in last.named_parameters()] == ["direction"]          # norm_last_layer: g fixed to 1
     assert torch.allclose(last.normalised_weight().norm(dim=1), torch.ones(64))
