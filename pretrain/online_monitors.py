@@ -27,7 +27,10 @@ RANKME_EPS = 1e-7          # Garrido et al. 2023's epsilon
 
 def rankme(features: torch.Tensor, eps: float = RANKME_EPS) -> float:
     """RankMe (Garrido et al. 2023, eq. 1) of a (N, D) matrix: exp of the entropy of its normalised singular values."""
-    singular_values = torch.linalg.svdvals(features.detach().float())
+    features = features.detach().float()
+    if not torch.isfinite(features).all():        # a diverging step: the loop stops on its loss, not here
+        return float("nan")
+    singular_values = torch.linalg.svdvals(features)
     p = singular_values / singular_values.sum() + eps
     return float(torch.exp(-(p * torch.log(p)).sum()))
 
@@ -59,13 +62,16 @@ class OnlineLinearProbe:
         return self
 
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> float:
-        """One Adam step on (N, D) features (detached here) and (N,) labels; images labelled -1 (unknown) are
-        left out. Returns the top-1 of the probe before the step on the labelled images (nan if none); every
-        process must call it (the gradients are all-reduced)."""
+        """One Adam step on (N, D) features (detached here) and (N,) labels; images labelled -1 (unknown), or with
+        non-finite features, are left out. Returns the top-1 of the probe before the step on the images kept (nan
+        if none); every process must call it (the gradients are all-reduced)."""
         self.to(features.device)
-        known = labels >= 0
+        features = features.detach().float()
+        # Non-finite features (a diverging step, which the loop stops on) leave this process's gradient at 0:
+        # every process still takes part in the all-reduce below.
+        known = (labels >= 0) & torch.isfinite(features).all(dim=1)
         with torch.enable_grad():
-            logits = self.linear(features.detach().float()[known])
+            logits = self.linear(features[known])
             loss = F.cross_entropy(logits, labels[known], reduction="sum") / max(int(known.sum()), 1)
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()

@@ -1,7 +1,7 @@
 """The online monitors (pretrain/online_monitors.py): RankMe against its definition computed by hand, and the
 online linear probe, which learns while never touching what the engine trains.
 
-Run as a module (`python -m tests.test_online_monitors OUT_DIR`), this file is the worker of the engine test: one
+Run as a module (`python -m tests.test_online_monitors OUT_DIR DIGITS_DIR`), this file is the worker of the engine test: one
 process, its own process group, results in OUT_DIR/results.json.
 """
 import json
@@ -34,6 +34,15 @@ def test_rankme_is_1_for_a_collapsed_batch_and_the_rank_for_equal_singular_value
     assert rankme(torch.randn(200, 16)) < 16.0 + 1e-4          # never above min(N, D)
 
 
+def test_non_finite_features_give_nan_and_leave_the_probe_finite():
+    features = torch.randn(8, 6)
+    features[3, 2] = float("nan")
+    assert math.isnan(rankme(features))                        # the loop stops on the loss, not on an SVD error
+    probe = OnlineLinearProbe(6, 3, lr=0.1, seed=0)
+    probe.update(features, torch.arange(8) % 3)
+    assert torch.isfinite(probe.linear.weight).all()
+
+
 def test_the_online_probe_learns_separable_classes_and_skips_unknown_labels():
     generator = torch.Generator().manual_seed(0)
     centres = torch.randn(3, 20, generator=generator) * 3
@@ -53,7 +62,7 @@ def test_the_online_probe_learns_separable_classes_and_skips_unknown_labels():
     assert torch.equal(torch.rand(1), expected)
 
 
-def probe_on_and_off() -> dict:
+def probe_on_and_off(digits: Path) -> dict:
     """Per ZeRO stage: three AdamW steps, globally clipped at 0.5, of the same method with the online probe on and
     off; the largest parameter difference between the two, how far the probe moved, what it logged."""
     import copy
@@ -71,7 +80,8 @@ def probe_on_and_off() -> dict:
         for probe in (True, False):
             cfg = load_config(CONFIGS / "simclr_digits.yaml", [
                 *TINY, "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=adamw", "optim.grad_clip=0.5",
-                f"monitor.online_probe={str(probe).lower()}", "monitor.online_probe_lr=0.1"])
+                f"monitor.online_probe={str(probe).lower()}", "monitor.online_probe_lr=0.1",
+                f"data.train={digits / 'train.beton'}"])            # its class names size the probe
             torch.manual_seed(0)
             method = build_method(cfg).train()
             engine, optimizer, gradient_edits = engine_for(cfg, method)
@@ -98,20 +108,20 @@ def probe_on_and_off() -> dict:
     return results
 
 
-def worker(out_dir: Path) -> None:
+def worker(out_dir: Path, digits: Path) -> None:
     from pretrain.distributed import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)
-    (out_dir / "results.json").write_text(json.dumps(probe_on_and_off()))
+    (out_dir / "results.json").write_text(json.dumps(probe_on_and_off(digits)))
 
 
 @pytest.mark.slow
-def test_the_online_probe_never_changes_what_the_engine_trains(tmp_path):
+def test_the_online_probe_never_changes_what_the_engine_trains(digits, tmp_path):
     """With global clipping on (the probe's gradients would change the clip coefficient if the engine saw them)
     and under ZeRO 0 and 2, three steps with the probe equal three steps without it, bit for bit, while the
     probe itself moved and logged its accuracy."""
-    finished = subprocess.run([sys.executable, "-m", "tests.test_online_monitors", str(tmp_path)], cwd=ROOT,
+    finished = subprocess.run([sys.executable, "-m", "tests.test_online_monitors", str(tmp_path), str(digits)], cwd=ROOT,
                               capture_output=True, text=True, timeout=600, check=False)
     assert finished.returncode == 0, finished.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -124,4 +134,4 @@ def test_the_online_probe_never_changes_what_the_engine_trains(tmp_path):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    worker(Path(sys.argv[1]), Path(sys.argv[2]))
