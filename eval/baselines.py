@@ -9,6 +9,7 @@ The result goes to OUT_DIR/eval/baselines_step0000000.json (and its TensorBoard 
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -63,8 +64,6 @@ def add_arguments(parser) -> None:
 
 
 def run_baselines(args) -> int:
-    import sys
-
     from pretrain.config import load_config
     from pretrain.config_error import ConfigError
 

@@ -45,8 +45,11 @@ def online_curve(run_dir: Path, smooth: int) -> list[tuple[int, float]]:
             continue
         if "monitor/online_linear_top1" in record:
             values.append((int(record["step"]), float(record["monitor/online_linear_top1"])))
-    return [(step, sum(v for _, v in values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1]))
-            for i, (step, _) in enumerate(values)]
+    curve = []
+    for i, (step, _) in enumerate(values):
+        window = [value for _, value in values[max(0, i - smooth + 1):i + 1]]
+        curve.append((step, sum(window) / len(window)))
+    return curve
 
 
 def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False, smooth: int = 50,
