@@ -92,3 +92,12 @@ def test_every_method_file_is_a_method_with_its_own_options():
         assert issubclass(module.METHOD, Method) and module.Options().name == name
         assert not any(key.startswith("method.") for key in SCHEMA_KEYS)
         assert "name" in {f.name for f in fields(module.Options)}
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parents[1].glob("configs/transfer/finetune_*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_finetune_config_loads(path):
+    from transfer.finetune_config import load_finetune_config
+
+    cfg = load_finetune_config(path)
+    assert cfg.name and cfg.optim.epochs > 0
