@@ -136,19 +136,23 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
 
 
 def time_limit_minutes(text: str) -> int:
-    """'90' -> 90; '2:00:00' -> 120; '1-00:00:00' -> 1440; '0:30' (MM:SS) -> 1 (Slurm rounds up to minutes)."""
+    """The minutes of a Slurm time limit, in every form `sbatch --time` accepts: 'M', 'M:S', 'H:M:S', 'D-H',
+    'D-H:M', 'D-H:M:S' ('90' -> 90; '2:00:00' -> 120; '1-12' -> 2160; '1-12:30' -> 2190; '0:30' -> 1: Slurm
+    rounds seconds up to a whole minute)."""
     text = str(text).strip()
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
     if not match:
-        raise LaunchError(f"--time {text!r} is not minutes or [D-]HH:MM:SS (e.g. --time 120 or --time 2:00:00)")
-    days, first, second, third = match.groups()
-    if second is None:                                   # minutes
-        seconds = int(first) * 60
+        raise LaunchError(f"--time {text!r} is not one of Slurm's forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                          "D-HH:MM:SS (e.g. --time 120, --time 2:00:00 or --time 1-12)")
+    days, first, second, third = (int(group) if group is not None else None for group in match.groups())
+    if days is not None:                                 # D-HH[:MM[:SS]]: after a day, the first field is hours
+        seconds = days * 86400 + first * 3600 + (second or 0) * 60 + (third or 0)
+    elif second is None:                                 # minutes
+        seconds = first * 60
     elif third is None:                                  # MM:SS
-        seconds = int(first) * 60 + int(second)
+        seconds = first * 60 + second
     else:                                                # HH:MM:SS
-        seconds = int(first) * 3600 + int(second) * 60 + int(third)
-    seconds += int(days or 0) * 86400
+        seconds = first * 3600 + second * 60 + third
     return max(1, -(-seconds // 60))
 
 

@@ -82,6 +82,9 @@ def test_time_limits_in_minutes_or_slurm_notation():
     assert time_limit_minutes("2:00:00") == 120
     assert time_limit_minutes("1-00:00:00") == 1440
     assert time_limit_minutes("0:30") == 1
+    assert time_limit_minutes("1-12") == 2160            # D-HH: Slurm's day form (was read as 1,452 minutes)
+    assert time_limit_minutes("1-12:30") == 2190         # D-HH:MM (was 1,453)
+    assert time_limit_minutes("2-0:0:30") == 2881
     with pytest.raises(LaunchError, match="--time 'two hours'"):
         time_limit_minutes("two hours")
 

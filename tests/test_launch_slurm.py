@@ -7,7 +7,8 @@ which first installs slurm-wlm and munge with apt-get where they are missing):
   schedule's value;
 - a sweep of two runs is one job array, and `launch status` reads both;
 - a pipeline's final evaluation starts only after pretraining succeeded (and never when it failed: Slurm cancels
-  it, and the watcher stops by itself).
+  it, and the watcher stops by itself);
+- `--time` in every form Slurm accepts means the minutes Slurm gives the job.
 """
 import json
 import re
@@ -69,6 +70,27 @@ def job_logs(run_dir: Path) -> str:
 def scontrol_job(job_id: str) -> dict[str, str]:
     shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+def slurm_minutes(limit: str) -> int:
+    """Minutes of a TimeLimit as `scontrol show job` prints it: [D-]HH:MM:SS or MM:SS."""
+    days, _, clock = limit.rpartition("-")
+    fields = [int(field) for field in clock.split(":")]
+    hours, minutes, seconds = ([0] * (3 - len(fields)) + fields)
+    return int(days or 0) * 1440 + hours * 60 + minutes + (seconds > 0)
+
+
+@pytest.mark.parametrize("limit", ["90", "0:30", "5:30", "2:00:00", "1-12", "1-12:30", "1-12:30:45", "3-0"])
+def test_every_time_limit_form_means_what_slurm_makes_of_it_on_a_real_slurm_cluster(cluster, limit):
+    """launch's minutes (the signal delay is checked against them) against the TimeLimit Slurm gives a held job."""
+    from launch.cluster import time_limit_minutes
+
+    submitted_job = subprocess.run(["sbatch", "--hold", "--parsable", f"--time={limit}", "--wrap", "true"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        assert time_limit_minutes(limit) == slurm_minutes(scontrol_job(submitted_job)["TimeLimit"])
+    finally:
+        subprocess.run(["scancel", submitted_job], check=False)
 
 
 def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step_on_a_real_slurm_cluster(
