@@ -132,6 +132,14 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> 
         print(taken_over, file=sys.stderr, flush=True)
     reported_skips: set[int] = set()
     evaluated = 0
+
+    def report_skip(step: int) -> None:
+        feature_cache_path(run_dir, step).unlink(missing_ok=True)
+        if step not in reported_skips:
+            print(f"skipped step {step}: its export was deleted before it was evaluated (engine.keep_exports)",
+                  flush=True)
+            reported_skips.add(step)
+
     try:
         print(f"watching {run_dir} for checkpoints to evaluate with {', '.join(protocols)}", flush=True)
         while True:
@@ -140,15 +148,25 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> 
             ended = job_has_ended(args.until_job, min(args.poll_seconds, 10.0)) if args.until_job else None
             finished = (run_dir / "finished.json").is_file()      # read first: the exports are complete by then
             todo, skipped = pending(run_dir, protocols)
-            for step in sorted(set(skipped) - reported_skips):
-                print(f"skipped step {step}: its export was deleted before it was evaluated "
-                      "(engine.keep_exports)", flush=True)
-                reported_skips.add(step)
+            for step in skipped:
+                report_skip(step)
+            last_of_step = {step: (step, protocol) for step, protocol in todo}   # the step's last protocol to run
             for step, protocol in todo:
+                # Re-checked for each one: the run rotates old exports away (engine.keep_exports) while the
+                # watcher works through the list, possibly while one of them is being read.
+                if not export_path(run_dir, step).is_file():
+                    report_skip(step)
+                    continue
                 print(f"evaluating step {step}: {protocol}", flush=True)
-                run_protocol(args, protocol, step, evaluate)
+                try:
+                    run_protocol(args, protocol, step, evaluate)
+                except (EvaluationInputError, OSError):
+                    if export_path(run_dir, step).is_file():
+                        raise
+                    report_skip(step)
+                    continue
                 evaluated += 1
-                if (step, protocol) == max(t for t in todo if t[0] == step):
+                if (step, protocol) == last_of_step[step]:
                     # the step's cached features (as large as the training set's features) are no longer needed
                     feature_cache_path(run_dir, step).unlink(missing_ok=True)
             if todo:

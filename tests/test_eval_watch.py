@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests import forked_runs
@@ -62,3 +63,39 @@ def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(di
     latency = [(run_dir / f"eval/knn_step{step:07d}.json").stat().st_mtime -
                (run_dir / f"exports/backbone_step{step:08d}.pth").stat().st_mtime for step in (3, 9)]
     print(f"export -> k-NN result: {', '.join(f'{s:.1f} s' for s in latency)} (steps 3 and 9)")
+
+
+def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_after_its_last_protocol(digits, tmp_path, capsys):
+    """A run that keeps few exports deletes old ones while the watcher works through its list: the watcher re-checks
+    each export (it used to crash on the first vanished one). With --protocols linear,knn the features are extracted
+    once per step and removed after the step's last protocol (the cache used to be removed after the
+    alphabetically last, linear, so knn extracted it again and left it behind)."""
+    from eval.__main__ import build_parser, evaluate
+    from eval.watch import watch
+    from pretrain.models import create_backbone
+    from tests.eval_helpers import write_export
+
+    run_dir = tmp_path / "run"
+    for step in (3, 6, 9):
+        torch.manual_seed(step)
+        write_export(run_dir / f"exports/backbone_step{step:08d}.pth", create_backbone("resnet18", "small_stride2")
+                     .state_dict(), train=digits / "train.beton", val=digits / "val.beton", step=step)
+    (run_dir / "exports/published.txt").write_text("3\n6\n9\n")
+    (run_dir / "finished.json").write_text('{"step": 9, "epoch": 1}')
+    calls = []
+
+    def evaluate_while_the_run_rotates(argv):
+        step = int(argv[argv.index("--checkpoint") + 1][-12:-4])
+        calls.append((argv[0], step, (run_dir / f"eval/features_step{step:07d}.pt").is_file()))
+        evaluate(argv)
+        if step == 3:                                   # the run moves on and deletes step 6's export
+            (run_dir / "exports/backbone_step00000006.pth").unlink(missing_ok=True)
+
+    args = build_parser().parse_args(["watch", "--run", str(run_dir), "--protocols", "linear,knn", "--poll-seconds",
+                                      "0.1", "--image-size", "16", "--num-workers", "1"])
+    assert watch(args, evaluate=evaluate_while_the_run_rotates) == 0
+    # (protocol, step, whether the step's features were cached when it started)
+    assert capsys.readouterr().out.count("skipped step 6: its export was deleted") == 1
+    assert calls == [("linear", 3, False), ("knn", 3, True), ("linear", 9, False), ("knn", 9, True)]
+    assert sorted(p.name for p in (run_dir / "eval").glob("*_step*")) == [
+        "knn_step0000003.json", "knn_step0000009.json", "linear_step0000003.json", "linear_step0000009.json"]
