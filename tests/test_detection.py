@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from pathlib import Path
 
 import cv2
@@ -293,6 +294,10 @@ def test_tiny_detection_run_writes_cocoeval_results_and_tensorboard(tmp_path, ti
         assert Path(result["detections"]).parent == run_dir / "eval" and len(detections) == result["num_detections"]
         assert all(set(d) == {"image_id", "category_id", "bbox", "score"} and 1 <= d["category_id"] <= 10
                    for d in detections)
+        # the cap COCOeval's AP was computed under is named with it; no image has more detections than the cap
+        cap = result["max_detections_per_image"]
+        assert cap == result["config"]["model"]["box_detections_per_img"]
+        assert max(Counter(d["image_id"] for d in detections).values(), default=0) <= cap
 
 
 def test_bad_inputs_are_refused_in_one_line_with_status_2(tmp_path, tiny_scenes, capsys):

@@ -60,7 +60,8 @@ valid one. The default file is configs/transfer/detection_digit_scenes.yaml.
     model.rpn_pre_nms_top_n_test, rpn_post_nms_top_n_test   [300, 100]
     model.box_batch_size_per_image [64] proposals sampled per image for the box-head loss (25% positive)
     model.box_score_thresh      [0.01] detections scoring less are dropped before COCOeval
-    model.box_detections_per_img [20]  at most this many detections per image
+    model.box_detections_per_img [100] at most this many detections per image (COCOeval scores up to 100,
+                                       torchvision's and Detectron2's default; the digit scenes' config keeps 20)
     train.epochs                [4]    passes over the training scenes
     train.batch_size            [8]    scenes per iteration
     train.lr                    [0.02] peak learning rate (SGD, momentum train.momentum [0.9])
@@ -141,7 +142,7 @@ class ModelOptions:
     rpn_post_nms_top_n_test: int = 100
     box_batch_size_per_image: int = 64
     box_score_thresh: float = 0.01
-    box_detections_per_img: int = 20
+    box_detections_per_img: int = 100
 
 
 @dataclass
@@ -464,7 +465,7 @@ class DetectionTraining(Stage):
         path = write_detection_result(i, metrics, detections, details)
         print(summary, end="")
         print(f"detection from {i.init}: mAP {100 * metrics['map']:.2f}  AP50 {100 * metrics['ap50']:.2f}  "
-              f"({step} iterations, {train_seconds:.0f} s training, {seconds:.0f} s in all)")
+              f"(at most {self.cfg.model.box_detections_per_img} detections per image; {step} iterations, {train_seconds:.0f} s training, {seconds:.0f} s in all)")
         print(f"results: {path}")
         return path
 
@@ -530,6 +531,7 @@ def write_detection_result(inputs: DetectionInputs, metrics: dict[str, float], d
               "checkpoint": str(export.path), "arch": export.arch, "stem": export.stem,
               "map": metrics["map"], "ap50": metrics["ap50"], "coco_stats": metrics,
               "metric": "pycocotools COCOeval bbox: map = AP@[0.50:0.95], 101-point interpolated; ap50 = AP@0.50",
+              "max_detections_per_image": details["config"]["model"]["box_detections_per_img"],
               "detections": str(result_path(inputs.run_dir, name, export.step, "_detections.json")), **details}
     prefix = "eval/detection_" if init == "export" else "eval/detection_random_"
     return write_result(inputs.run_dir, name, export.step, result,
