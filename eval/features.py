@@ -238,6 +238,11 @@ def resolve_beton_path(override: str | Path | None, config: dict[str, Any], spli
             check_beton_fields(path)
         except DatasetError as error:
             raise EvaluationInputError(f"{option} {path}: {error}") from None
+        from pretrain.data.writer import is_unlabeled
+
+        if is_unlabeled(path):
+            raise EvaluationInputError(f"{path} (data.{split}) has no labels (written with --unlabeled), which "
+                                       f"evaluation scores against: pass a labelled .beton with {option}")
     return path
 
 

@@ -20,8 +20,9 @@ from pretrain.atomic_write import write_text_atomically
 from pretrain.checkpoint import check_fresh_start, check_resumable
 from pretrain.config import ConfigError, run_dir_of, views_to_draw
 from pretrain.data.loader import build_view_loader, check_training_data
+from pretrain.data.writer import is_unlabeled
 from pretrain.loop import ConfiguredStage, run_training
-from pretrain.methods import build_method
+from pretrain.methods import build_method, method_module
 from pretrain.methods.base import Method
 
 
@@ -35,7 +36,16 @@ class Pretraining(ConfiguredStage):
         self.run_dir = run_dir_of(cfg)
 
     def check_inputs(self) -> None:
-        check_training_data(self.cfg.data.train, self.cfg.data.backend)
+        cfg = self.cfg
+        check_training_data(cfg.data.train, cfg.data.backend)
+        if cfg.data.backend == "ffcv" and is_unlabeled(cfg.data.train):
+            if method_module(cfg.method.name).METHOD.needs_labels(cfg):
+                raise ConfigError(f"data.train={cfg.data.train} has no labels (written with --unlabeled), but "
+                                  f"method.name={cfg.method.name} trains on class labels with these settings: "
+                                  "pretrain a self-supervised method on it, or write a labelled set")
+            if cfg.monitor.online_probe:
+                raise ConfigError(f"data.train={cfg.data.train} has no labels (written with --unlabeled), which the "
+                                  "online linear probe trains on: set monitor.online_probe=false")
 
     def check_resumable(self) -> None:
         # What makes another run, and what the optimizer's groups hold (a resumed optimizer restores its saved

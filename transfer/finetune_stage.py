@@ -28,6 +28,7 @@ from pretrain.checkpoint import check_resumable
 from pretrain.config import ConfigError
 from pretrain.data.loader import build_image_loader, build_view_loader
 from pretrain.data.views import ViewBatch
+from pretrain.data.writer import is_unlabeled
 from pretrain.distributed import average_buffers
 from pretrain.loop import ConfiguredStage, run_training
 from pretrain.task import BatchLoss, BatchPosition, TrainingTask
@@ -96,6 +97,10 @@ def resolve_inputs(cfg: DictConfig, run: str | None, checkpoint: str | None, sta
         return Path(path)
 
     train_path, val_path = data_path("train"), data_path("val")
+    for split, path in (("train", train_path), ("val", val_path)):
+        if path.is_file() and is_unlabeled(path):
+            raise ConfigError(f"data.{split}={path} has no labels (written with --unlabeled), which fine-tuning "
+                              f"trains and scores on: pass data.{split}=PATH to a labelled .beton or image folder")
     backend = "torchvision" if train_path.is_dir() else "ffcv"
     check_training_data(train_path, backend)
     if not val_path.exists():

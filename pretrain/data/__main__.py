@@ -13,11 +13,20 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Write image datasets to FFCV .beton files for pretraining.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    folder = commands.add_parser("write", help="Write an image folder (one sub-folder per class) to a .beton.",
+    folder = commands.add_parser("write", help="Write an image folder (one sub-folder per class, or unlabeled) to a "
+                                               ".beton.",
                                  description="Write an image folder laid out as FOLDER/<class>/<image>.{jpg,png} "
-                                             "to a .beton; unreadable images are skipped and listed in "
-                                             "OUT.skipped.txt, class names go to OUT.classes.json.")
-    folder.add_argument("--image-folder", required=True, help="Folder with one sub-folder of images per class.")
+                                             "to a .beton; with --unlabeled, every image under FOLDER at any depth "
+                                             "(or listed in a text file), with label -1, for self-supervised "
+                                             "pretraining. Unreadable images are skipped and listed in "
+                                             "OUT.skipped.txt, class names go to OUT.classes.json ([] without labels).")
+    folder.add_argument("--image-folder", required=True,
+                        help="Folder with one sub-folder of images per class; with --unlabeled, a folder of images "
+                             "(flat or nested at any depth) or a text file of image paths, one per line (relative to "
+                             "the file's folder).")
+    folder.add_argument("--unlabeled", action="store_true",
+                        help="Write the images without labels (label -1): self-supervised methods pretrain on them; "
+                             "evaluate on a labelled set (data.val, eval --train/--val).")
     folder.add_argument("--out", required=True, help="Output .beton path (e.g. data/train.beton).")
     folder.add_argument("--max-side", type=int, default=DEFAULT_MAX_SIDE,
                         help="Shrink images whose longer side exceeds this many pixels (aspect kept); 0 keeps every "
@@ -75,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.max_side < 0:
                 raise ValueError(f"--max-side {args.max_side} must be a number of pixels, or 0 to keep every size")
-            report = write_image_folder(args.image_folder, args.out, max_side=args.max_side or None,
+            report = write_image_folder(args.image_folder, args.out, unlabeled=args.unlabeled,
+                                        max_side=args.max_side or None,
                                         write_mode=args.write_mode, jpeg_quality=args.jpeg_quality,
                                         workers=args.workers)
         except (FileNotFoundError, NotADirectoryError, ValueError) as error:

@@ -53,7 +53,8 @@ class WriteReport:
     class_names: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        text = f"{self.out_path}: wrote {self.written} images in {len(self.class_names)} classes"
+        what = f"in {len(self.class_names)} classes" if self.class_names else "without labels (label -1)"
+        text = f"{self.out_path}: wrote {self.written} images {what}"
         if self.skipped:
             text += (f", skipped {len(self.skipped)} unreadable image(s), listed in "
                      f"{skipped_report_path(self.out_path)}")
@@ -63,6 +64,12 @@ class WriteReport:
 def classes_path(beton_path: str | Path) -> Path:
     """`OUT.beton` -> `OUT.classes.json`, the class names in label order."""
     return Path(beton_path).with_suffix(".classes.json")
+
+
+def is_unlabeled(beton_path: str | Path) -> bool:
+    """Whether a .beton was written without labels (`write --unlabeled`: every label -1, OUT.classes.json `[]`)."""
+    names = classes_path(beton_path)
+    return names.is_file() and json.loads(names.read_text()) == []
 
 
 def skipped_report_path(beton_path: str | Path) -> Path:
@@ -85,7 +92,13 @@ def list_image_folder(root: str | Path) -> tuple[list[Path], list[int], list[str
     class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not class_dirs:
         raise ValueError(f"Image folder {root} has no class sub-folders; put the images of each class in "
-                         f"{root}/<class name>/ (e.g. {root}/cat/001.jpg).")
+                         f"{root}/<class name>/ (e.g. {root}/cat/001.jpg), or pass --unlabeled to write its "
+                         "images without labels (for self-supervised pretraining).")
+    loose = [p.name for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+    if loose:
+        raise ValueError(f"Image folder {root} has {len(loose)} image(s) beside its class sub-folders (e.g. "
+                         f"{sorted(loose)[0]}), which would have no class: move them into a class folder, or pass "
+                         "--unlabeled to write every image without labels.")
     paths, labels = [], []
     for label, class_dir in enumerate(class_dirs):
         for path in sorted(class_dir.rglob("*")):
@@ -96,6 +109,29 @@ def list_image_folder(root: str | Path) -> tuple[list[Path], list[int], list[str
         raise ValueError(f"Image folder {root} has class sub-folders but no images with extensions "
                          f"{', '.join(IMAGE_EXTENSIONS)}; check the path or the file extensions.")
     return paths, labels, [d.name for d in class_dirs]
+
+
+def list_unlabeled_images(source: str | Path) -> list[Path]:
+    """The images of an unlabeled source, sorted: every .jpg/.jpeg/.png under a folder at any depth (hidden files
+    and folders left out), or the paths listed in a text file, one per line (relative paths are relative to the
+    list's folder; blank lines and lines starting with # are ignored)."""
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist; pass a folder of images (any depth) or a text file "
+                                "listing image paths, one per line.")
+    if source.is_file():
+        lines = [line.strip() for line in source.read_text(errors="replace").splitlines()]
+        paths = [source.parent / line for line in lines if line and not line.startswith("#")]
+        if not paths:
+            raise ValueError(f"The image list {source} names no image; write one image path per line.")
+        return paths                                   # a listed file that is missing or unreadable is skipped
+    paths = sorted(path for path in source.rglob("*") if path.is_file()
+                   and path.suffix.lower() in IMAGE_EXTENSIONS
+                   and not any(part.startswith(".") for part in path.relative_to(source).parts))
+    if not paths:
+        raise ValueError(f"Image folder {source} has no images with extensions {', '.join(IMAGE_EXTENSIONS)} at "
+                         "any depth; check the path or the file extensions.")
+    return paths
 
 
 def limit_side(image: np.ndarray, max_side: int | None) -> np.ndarray:
@@ -214,17 +250,24 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
     replace_atomically(write, out_path)
 
 
-def write_image_folder(image_folder: str | Path, out_path: str | Path, *, max_side: int | None = DEFAULT_MAX_SIDE,
-                       write_mode: str = "jpg", jpeg_quality: int = 90, workers: int = 2) -> WriteReport:
-    """Write an image folder (one sub-folder per class) to `out_path` (.beton).
+def write_image_folder(image_folder: str | Path, out_path: str | Path, *, unlabeled: bool = False,
+                       max_side: int | None = DEFAULT_MAX_SIDE, write_mode: str = "jpg", jpeg_quality: int = 90,
+                       workers: int = 2) -> WriteReport:
+    """Write an image folder (one sub-folder per class) to `out_path` (.beton); with `unlabeled`, every image of a
+    folder at any depth, or of a text file listing image paths (`list_unlabeled_images`), with label -1.
 
     Every image is decoded once up front; unreadable or corrupt ones are skipped, counted, and listed with
-    the reason in `OUT.skipped.txt` (removed when nothing was skipped). Class names go to `OUT.classes.json`.
-    `max_side` shrinks larger images (longer side, aspect kept) before storing them; None keeps every size.
+    the reason in `OUT.skipped.txt` (removed when nothing was skipped). Class names go to `OUT.classes.json`
+    (`[]` without labels). `max_side` shrinks larger images (longer side, aspect kept) before storing them; None
+    keeps every size.
     """
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side must be a positive number of pixels, got {max_side}.")
-    paths, labels, class_names = list_image_folder(image_folder)
+    if unlabeled:
+        paths = list_unlabeled_images(image_folder)
+        labels, class_names = [-1] * len(paths), []
+    else:
+        paths, labels, class_names = list_image_folder(image_folder)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         checked = list(pool.map(_check_readable, paths))
     problems = [problem for problem, _ in checked]

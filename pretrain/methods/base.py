@@ -75,6 +75,11 @@ class Method(TrainingTask):
     def check_config(cfg: DictConfig) -> None:
         """Raise pretrain.config.ConfigError for settings this method cannot train with."""
 
+    @staticmethod
+    def needs_labels(cfg: DictConfig) -> bool:
+        """Whether the method trains on class labels with these settings (unlabeled data is refused then)."""
+        return False
+
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 

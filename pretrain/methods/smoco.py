@@ -119,6 +119,10 @@ class SMoCo(Method):
         self.placed = False             # key encoder and queue on the views' device, equal on every rank
 
     @staticmethod
+    def needs_labels(cfg: DictConfig) -> bool:
+        return True
+
+    @staticmethod
     def check_config(cfg: DictConfig) -> None:
         from pretrain.config_error import ConfigError
 

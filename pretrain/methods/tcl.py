@@ -52,6 +52,10 @@ class TCL(Method):
         self.gradient_means: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
+    def needs_labels(cfg: DictConfig) -> bool:
+        return bool(cfg.method.supervised)
+
+    @staticmethod
     def check_config(cfg: DictConfig) -> None:
         from pretrain.config_error import ConfigError
 

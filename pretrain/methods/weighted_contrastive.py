@@ -80,6 +80,10 @@ class WeightedContrastive(TCL):
         self.class_counts: torch.Tensor | None = None
 
     @staticmethod
+    def needs_labels(cfg: DictConfig) -> bool:
+        return True
+
+    @staticmethod
     def check_config(cfg: DictConfig) -> None:
         from pretrain.config_error import ConfigError
 
