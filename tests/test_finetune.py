@@ -327,3 +327,24 @@ def test_bad_input_is_refused_in_one_line_with_status_2(digits, tmp_path, capsys
     finetune = next(action for action in build_parser()._actions if action.dest == "command").choices["finetune"]
     for action in finetune._actions:
         assert action.help, action.dest                               # --help explains every option
+
+
+@pytest.mark.slow
+def test_a_vit_fine_tunes_at_another_image_size_than_it_was_pretrained_at(digits, tmp_path):
+    """A ViT exported at 32 px (a 2 x 2 patch grid) fine-tuned at 48 px (3 x 3): timm's dynamic_img_size
+    interpolates the position embedding at every forward (as DINOv2 does; MAE interpolates it once), so the first
+    step runs and the export's position embedding is what is trained on."""
+    cfg = load_config(ROOT / "configs/pretrain/simclr_digits.yaml",
+                      [f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}",
+                       "model.arch=vit_tiny_patch16_224", "model.stem=imagenet", "data.views.0.size=32"])
+    torch.manual_seed(0)
+    backbone = create_backbone(cfg.model.arch, cfg.model.stem, 32)
+    run_dir = tmp_path / "vit"
+    run_dir.mkdir()
+    torch.save({"arch": cfg.model.arch, "stem": cfg.model.stem, "state_dict": backbone.state_dict(),
+                "config": OmegaConf.to_container(cfg, resolve=True), "epoch": 3, "step": EXPORT_STEP},
+               run_dir / "backbone.pth")
+    run(finetune_command(run_dir, "data.image_size=48", "optim.epochs=1", "engine.max_steps=2",
+                         "data.label_fraction=10%"))
+    result = json.loads(next((run_dir / "eval").glob("finetune_*.json")).read_text())
+    assert result["image_size"] == 48 and 0.0 <= result["top1"] <= 1.0
