@@ -1,5 +1,6 @@
-"""`python -m launch status DIR`: one row per run under DIR (a run directory, a sweep directory, or any folder
-of runs): its latest job and that job's state, the training step, and the latest evaluation.
+"""`python -m launch status DIR`: for each run under DIR (a run directory, a sweep directory, or any folder of
+runs), one row per stage (pretraining, its watcher, the final evaluation, fine-tuning...): the stage's latest job
+and that job's state; the run's first row also holds the training step and the latest evaluation.
 
 A job's state comes from Slurm while it knows the job (`squeue`, then `sacct` where accounting is configured),
 else from what submitit wrote (its result file: success or error), else from the run directory
@@ -24,12 +25,17 @@ def run_directories(root: Path) -> list[Path]:
     return sorted({path.parent for pattern in ("*/jobs.jsonl", "*/config.yaml") for path in root.glob(pattern)})
 
 
-def latest_job(run_dir: Path) -> dict | None:
+def latest_job_of_each_stage(run_dir: Path) -> list[dict]:
+    """The latest job of each stage (jobs.jsonl's `kind`) of the run, in the order the stages were first submitted."""
     jobs = run_dir / "jobs.jsonl"
     if not jobs.is_file():
-        return None
-    lines = [json.loads(line) for line in jobs.read_text().splitlines() if line.strip()]
-    return lines[-1] if lines else None
+        return []
+    latest: dict[str, dict] = {}
+    for line in jobs.read_text().splitlines():
+        if line.strip():
+            job = json.loads(line)
+            latest[job["kind"]] = job
+    return list(latest.values())
 
 
 def job_state(job: dict, run_dir: Path) -> str:
@@ -102,9 +108,11 @@ def latest_evaluation(run_dir: Path) -> str:
 def status_table(root: Path) -> str:
     rows = [("run", "job", "state", "step", "latest evaluation")]
     for run_dir in run_directories(root):
-        job = latest_job(run_dir)
-        rows.append((run_dir.name, f"{job['kind']} {job['job_id']}" if job else "-",
-                     job_state(job, run_dir) if job else "-", training_step(run_dir), latest_evaluation(run_dir)))
+        jobs = latest_job_of_each_stage(run_dir) or [None]
+        for index, job in enumerate(jobs):
+            run_columns = (training_step(run_dir), latest_evaluation(run_dir)) if index == 0 else ("", "")
+            rows.append((run_dir.name if index == 0 else "", f"{job['kind']} {job['job_id']}" if job else "-",
+                         job_state(job, run_dir) if job else "-", *run_columns))
     if len(rows) == 1:
         return f"no runs under {root} (a run directory holds jobs.jsonl or config.yaml)"
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]

@@ -146,3 +146,14 @@ def test_status_table_reads_jobs_steps_and_latest_evaluations(tmp_path):
     assert table[1].split()[:5] == ["a", "pretrain", "999999999", "COMPLETED", "7"]
     assert "step 7: knn@k20 50.00%" in table[1]
     assert table[2].split()[:4] == ["b", "pretrain", "999999999", "ENDED"] and "(epoch 1)" in table[2]
+
+    # A pipeline: one row per stage, each its latest job (the pretraining was submitted twice); the step and the
+    # evaluation on the run's first row. It used to show the final evaluation's job alone.
+    def job(kind, job_id):
+        return json.dumps({"kind": kind, "job_id": job_id, "cluster": "local", "folder": str(runs / "c" / "jobs")})
+    (runs / "c").mkdir()
+    (runs / "c" / "jobs.jsonl").write_text("\n".join([job("pretrain", "999999991"), job("eval-watch", "999999992"),
+                                                      job("final-eval", "999999993"), job("pretrain", "999999994")]))
+    rows = [line.split() for line in status_table(runs / "c").splitlines()[1:]]
+    assert [row[:3] for row in rows] == [["c", "pretrain", "999999994"], ["eval-watch", "999999992", "ENDED"],
+                                         ["final-eval", "999999993", "ENDED"]]
