@@ -128,12 +128,55 @@ def command_finetune(args: argparse.Namespace, stage_args: list[str]) -> int:
     return 0
 
 
-def final_steps(run_dir: Path, protocols: str, transfer: str) -> list[Step]:
-    """Evaluations of the final export: `python -m eval PROTOCOL`, then the transfer stages."""
+TRANSFER_STAGES = ("finetune", "detection")
+
+
+def final_steps(run_dir: Path, protocols: str, transfer: str, finetune_config: str | None = None) -> list[Step]:
+    """Evaluations of the final export: `python -m eval PROTOCOL`, then the transfer stages (fine-tuning with
+    `--config finetune_config` when given)."""
     steps = [Step("eval", [p, "--run", str(run_dir)], distributed=False) for p in split(protocols)]
     for stage in split(transfer):
-        steps.append(Step("transfer", [stage, "--run", str(run_dir)], distributed=stage == "finetune"))
+        config = ["--config", str(Path(finetune_config).resolve())] if stage == "finetune" and finetune_config else []
+        steps.append(Step("transfer", [stage, "--run", str(run_dir), *config], distributed=stage == "finetune"))
     return steps
+
+
+def check_pipeline_arguments(args: argparse.Namespace) -> None:
+    """What the jobs would fail on later, refused before anything is submitted (LaunchError names the value)."""
+    from eval.watch import PROTOCOLS
+
+    for option, value in (("--watch-protocols", args.watch_protocols), ("--final-protocols", args.final_protocols)):
+        unknown = [p for p in split(value) if p not in PROTOCOLS]
+        if unknown:
+            raise LaunchError(f"{option} {value!r}: {', '.join(unknown)} is not a protocol; choose from {PROTOCOLS}")
+    if not split(args.watch_protocols):
+        raise LaunchError(f"--watch-protocols {args.watch_protocols!r} names no protocol; choose from {PROTOCOLS}")
+    unknown = [stage for stage in split(args.transfer) if stage not in TRANSFER_STAGES]
+    if unknown:
+        raise LaunchError(f"--transfer {args.transfer!r}: {', '.join(unknown)} is not a transfer stage; choose from "
+                          f"{TRANSFER_STAGES}")
+    if args.eval_gpus is not None and args.eval_gpus not in (0, 1):
+        raise LaunchError(f"--eval-gpus {args.eval_gpus}: the evaluation jobs run one process, on 0 or 1 GPU")
+    if args.watch_poll_seconds is not None and not args.watch_poll_seconds > 0:
+        raise LaunchError(f"--watch-poll-seconds {args.watch_poll_seconds} must be a positive number of seconds")
+    if args.finetune_config is not None:
+        if "finetune" not in split(args.transfer):
+            raise LaunchError(f"--finetune-config {args.finetune_config} is given but --transfer has no finetune")
+        from transfer.finetune_config import load_finetune_config
+
+        load_finetune_config(args.finetune_config)           # a missing or bad recipe: ConfigError, exit 2
+
+
+def evaluation_options(options: ClusterOptions, args: argparse.Namespace) -> ClusterOptions:
+    """The evaluation jobs' resources: one task on one node, on a GPU when the training has GPUs (--eval-gpus
+    overrides), with their own memory, cores and constraint (--eval-mem-gb, --eval-cpus-per-task,
+    --eval-constraint; default: the cluster's default memory, the training's cores, no constraint), never
+    --exclusive: a watcher does not need a whole node, nor the training node's type."""
+    gpus = args.eval_gpus if args.eval_gpus is not None else min(options.gpus_per_node, 1)
+    return ClusterOptions(**{**vars(options), "nodes": 1, "tasks_per_node": 1, "gpus_per_node": gpus,
+                             "cpus_per_task": args.eval_cpus_per_task or options.cpus_per_task,
+                             "mem_gb": args.eval_mem_gb, "constraint": args.eval_constraint,
+                             "sbatch": {key: value for key, value in options.sbatch.items() if key != "exclusive"}})
 
 
 def split(text: str) -> list[str]:
@@ -142,18 +185,18 @@ def split(text: str) -> list[str]:
 
 def command_pipeline(args: argparse.Namespace) -> int:
     options = cluster_options(args)
+    check_pipeline_arguments(args)
     run_dir = pretrain_run_dir(args.config, args.overrides)
     pretraining = pretrain_step(args.config, args.overrides, run_dir)
     # The watcher evaluates the final checkpoint too: the final job runs only the protocols it does not.
     final_protocols = ",".join(p for p in split(args.final_protocols) if p not in split(args.watch_protocols))
-    finals = final_steps(run_dir, final_protocols, args.transfer)
+    finals = final_steps(run_dir, final_protocols, args.transfer, args.finetune_config)
     if options.cluster == "local":          # one local job: the stages in order
         steps = [pretraining, watch_step(run_dir, args.watch_protocols, args.watch_poll_seconds), *finals]
         submit(options, run_dir, "pipeline", steps)
         return 0
     training = submit(options, run_dir, "pretrain", [pretraining])
-    single = ClusterOptions(**{**vars(options), "nodes": 1, "tasks_per_node": 1, "gpus_per_node": args.eval_gpus,
-                               "max_requeues": options.max_requeues})
+    single = evaluation_options(options, args)
     # The watcher starts with the training (after:) and stops when it ends unfinished (--until-job); the final
     # evaluations start once it succeeded (afterok:), and are cancelled by Slurm when it failed.
     submit(single, run_dir, "eval-watch", [watch_step(run_dir, args.watch_protocols, args.watch_poll_seconds,
@@ -230,7 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
                                "%(default)s; the watch protocols already ran on it)")
     pipeline.add_argument("--transfer", default="",
                           help="transfer stages run on the final export, e.g. finetune,detection (default: none)")
-    pipeline.add_argument("--eval-gpus", type=int, default=0, help="GPUs of the evaluation jobs (0 or 1)")
+    pipeline.add_argument("--finetune-config", metavar="FILE",
+                          help="the fine-tuning recipe of --transfer finetune (configs/transfer/*.yaml; default: "
+                               "transfer finetune's built-in defaults)")
+    evaluation = pipeline.add_argument_group("the evaluation jobs (watcher, final evaluations on one process)")
+    evaluation.add_argument("--eval-gpus", type=int, metavar="N",
+                            help="GPUs of the evaluation jobs, 0 or 1 (default: 1 when the training has GPUs)")
+    evaluation.add_argument("--eval-cpus-per-task", type=int, metavar="N",
+                            help="CPU cores of an evaluation job (default: the training's --cpus-per-task)")
+    evaluation.add_argument("--eval-mem-gb", type=float, metavar="N",
+                            help="memory of an evaluation job in GB (default: the partition's default)")
+    evaluation.add_argument("--eval-constraint", metavar="CONSTRAINT",
+                            help="node constraint of the evaluation jobs (default: none; the training's is not "
+                                 "inherited, nor its --exclusive)")
     add_cluster_arguments(pipeline)
     pipeline.set_defaults(handler=command_pipeline)
 

@@ -176,6 +176,13 @@ def check(options: ClusterOptions) -> None:
         raise LaunchError(f"--nodes {options.nodes} needs --cluster slurm; a local job runs on this machine")
 
 
+def sbatch_flags(extra: dict) -> dict:
+    """--sbatch KEY=VALUE options for submitit: an empty value (KEY=, or `KEY: ''` in a preset) or `true` is a bare
+    flag (`#SBATCH --exclusive`, not `--exclusive=''`)."""
+    return {key: True if value in ("", True, None) or str(value).lower() == "true" else value
+            for key, value in extra.items()}
+
+
 def build_executor(options: ClusterOptions, folder: Path, job_name: str):
     """A submitit executor for `options` (sbatch through SlurmExecutor, or local processes through
     LocalExecutor), writing its scripts and logs to `folder`."""
@@ -191,7 +198,7 @@ def build_executor(options: ClusterOptions, folder: Path, job_name: str):
     parameters = dict(job_name=options.job_name or job_name, time=minutes, nodes=options.nodes,
                       ntasks_per_node=options.tasks, cpus_per_task=options.cpus_per_task,
                       signal_delay_s=options.signal_delay_s,
-                      additional_parameters={"requeue": True, **options.sbatch})
+                      additional_parameters={"requeue": True, **sbatch_flags(options.sbatch)})
     if options.gpus_per_node:
         parameters["gpus_per_node"] = options.gpus_per_node
     if options.mem_gb:

@@ -157,3 +157,47 @@ def test_status_table_reads_jobs_steps_and_latest_evaluations(tmp_path):
     rows = [line.split() for line in status_table(runs / "c").splitlines()[1:]]
     assert [row[:3] for row in rows] == [["c", "pretrain", "999999994"], ["eval-watch", "999999992", "ENDED"],
                                          ["final-eval", "999999993", "ENDED"]]
+
+
+def test_pipeline_evaluation_jobs_have_their_own_resources_and_bare_sbatch_flags_stay_bare(tmp_path):
+    """The watcher and the final evaluations: one task, a GPU when the training has GPUs, their own memory, cores
+    and constraint, never --exclusive (they inherited the training preset's). `--sbatch exclusive=` is written
+    `#SBATCH --exclusive` (it was `--exclusive=''`)."""
+    from launch.__main__ import build_parser, evaluation_options
+    from launch.cluster import build_executor
+
+    training = cluster_options(options(cluster="slurm", nodes=2, gpus_per_node=8, cpus_per_task=10, mem_gb=500,
+                                       constraint="h100", sbatch=["exclusive=", "mail-type=END"]))
+    script = build_executor(training, tmp_path, "pretrain")._make_submission_file_text("python -c 1", "uid")
+    assert "#SBATCH --exclusive\n" in script and "#SBATCH --mail-type=END" in script
+    assert "#SBATCH --constraint=h100" in script and "#SBATCH --mem=512000M" in script
+
+    args = build_parser().parse_args(["pipeline", "--config", "c.yaml"])
+    watcher = evaluation_options(training, args)
+    assert (watcher.nodes, watcher.tasks, watcher.gpus_per_node, watcher.cpus_per_task) == (1, 1, 1, 10)
+    assert watcher.mem_gb is None and watcher.constraint is None and watcher.sbatch == {"mail-type": "END"}
+    script = build_executor(watcher, tmp_path, "eval-watch")._make_submission_file_text("python -c 1", "uid")
+    assert "--exclusive" not in script and "--constraint" not in script and "--mem" not in script
+    args = build_parser().parse_args(["pipeline", "--config", "c.yaml", "--eval-gpus", "0", "--eval-mem-gb", "32",
+                                      "--eval-cpus-per-task", "4", "--eval-constraint", "cpu"])
+    chosen = evaluation_options(training, args)
+    assert (chosen.gpus_per_node, chosen.mem_gb, chosen.cpus_per_task, chosen.constraint) == (0, 32, 4, "cpu")
+    cpu_training = cluster_options(options(cluster="slurm"))
+    assert evaluation_options(cpu_training, build_parser().parse_args(["pipeline"])).gpus_per_node == 0
+
+
+@pytest.mark.parametrize("bad, named", [
+    (["--transfer", "bogus"], "--transfer 'bogus': bogus is not a transfer stage"),
+    (["--watch-protocols", "knn,foo"], "--watch-protocols 'knn,foo': foo is not a protocol"),
+    (["--eval-gpus", "3"], "--eval-gpus 3"),
+    (["--watch-poll-seconds", "-1"], "--watch-poll-seconds -1.0 must be a positive"),
+    (["--transfer", "finetune", "--finetune-config", "nowhere.yaml"], "nowhere.yaml"),
+    (["--finetune-config", "configs/transfer/finetune_digits.yaml"], "--transfer has no finetune"),
+])
+def test_pipeline_refuses_what_its_jobs_would_fail_on_before_submitting(tmp_path, capsys, bad, named):
+    from launch.__main__ import main
+
+    run_dir = tmp_path / "r"
+    assert main(["pipeline", "--config", str(ROOT / "configs/pretrain/simclr_digits.yaml"), f"run_dir={run_dir}",
+                 "--cluster", "local", *bad]) == 2
+    assert named in capsys.readouterr().err and not run_dir.exists()
