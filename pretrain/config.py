@@ -167,6 +167,7 @@ NUMBER_RANGES = (
     ("engine.max_steps", ">=", 0, "0: the whole schedule"),
     ("hvs.selection_size", ">=", 1, "pixels"),
     ("monitor.online_probe_lr", ">", 0, "the online probe's Adam lr"),
+    ("seed", ">=", 0, "the random seed"),
 )
 
 
@@ -270,15 +271,21 @@ def read_config_file(path: str | Path, configs_dir: str = "configs/pretrain/") -
     """The mapping in the YAML file `path`; a missing file, bad YAML or a non-mapping is a ConfigError that
     names the file (and `configs_dir`, where the shipped configs live)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; pass one of its .yaml files (configs live in "
+                          f"{configs_dir})")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; configs live in {configs_dir}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: {problem}") from None
+    if tree is None:      # an empty file (or comments only) would run on the built-in defaults, silently
+        raise ConfigError(f"config file {str(path)!r} is empty; a config is a mapping of sections (name:, data:, "
+                          f"...), as in {configs_dir}")
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {str(path)!r} holds a {type(tree).__name__} at its top level; a config is "
                           f"a mapping of sections (name:, data:, ...), as in {configs_dir}")
@@ -294,14 +301,31 @@ def merge_checked(cfg: DictConfig, keys: tuple[str, ...], tree: dict, parsed: li
         cfg = OmegaConf.merge(cfg, tree)
         for key, value in parsed:
             _check_key(key, keys, where)
+            check_list_indices(cfg, key)
             node = OmegaConf.select(cfg, key)
             if isinstance(node, ListConfig) and not isinstance(value, list):
                 raise ConfigError(f"{key} is a list; write {key}=[{value}]")
             # A list is replaced whole; merging it converts its items to the schema's types (data.views=[{...}]).
             OmegaConf.update(cfg, key, value, merge=isinstance(node, ListConfig))
-    except OmegaConfBaseException as error:
-        raise ConfigError(f"invalid config value: {error}") from None
+    except OmegaConfBaseException as error:          # one line: the key and OmegaConf's reason, not its dump
+        key = getattr(error, "full_key", None) or "config"
+        reason = (getattr(error, "msg", None) or str(error)).splitlines()[0]
+        if "is not Optional" in reason:
+            reason = f"it needs a value ({key}= gives none)"
+        raise ConfigError(f"invalid value for {key}: {reason}") from None
     return cfg
+
+
+def check_list_indices(cfg: DictConfig, key: str) -> None:
+    """Refuse a dotted key that indexes past the end of a list (data.views.3.size with one view group)."""
+    parts = key.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            prefix = ".".join(parts[:index])
+            node = OmegaConf.select(cfg, prefix)
+            if isinstance(node, ListConfig) and int(part) >= len(node):
+                raise ConfigError(f"{key}: {prefix} has {len(node)} item(s), numbered from 0; set an existing one "
+                                  f"({prefix}.0...), or give the whole list as {prefix}=[...]")
 
 
 def check_choices_and_ranges(cfg: DictConfig, choices: dict[str, tuple], ranges: tuple) -> None:
@@ -351,6 +375,16 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.eval_crop_fraction={cfg.data.eval_crop_fraction} must lie in (0, 1]: 0.875 for "
                           "the standard 256 -> 224 centre crop, 1.0 for the whole image")
     check_lr_schedule(cfg)
+    for key in ("mean", "std"):
+        values = list(cfg.data[key])
+        if len(values) != 3 or not all(math.isfinite(v) for v in values):
+            raise ConfigError(f"data.{key}={values} must be 3 finite numbers, one per channel (R, G, B)")
+    if min(cfg.data.std) <= 0:
+        raise ConfigError(f"data.std={list(cfg.data.std)} must be positive in every channel (images are divided "
+                          "by it)")
+    for key, value in cfg.method.items():
+        if (key == "temperature" or key.endswith("_temp")) and isinstance(value, (int, float)) and not value > 0:
+            raise ConfigError(f"method.{key}={value} must be a positive temperature (logits are divided by it)")
     for index, group in enumerate(views_to_draw(cfg)):
         try:
             check_view_group(group)

@@ -101,3 +101,31 @@ def test_every_shipped_finetune_config_loads(path):
 
     cfg = load_finetune_config(path)
     assert cfg.name and cfg.optim.epochs > 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=abc", "invalid value for optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    ("optim.epochs=1.5", "invalid value for optim.epochs: Value '1.5'"),
+    ("hvs.enabled=maybe", "invalid value for hvs.enabled: Value 'maybe' is not a valid bool"),
+    ("optim.lr=", "invalid value for optim.lr: it needs a value (optim.lr= gives none)"),
+    ("data.views.3.size=8", "data.views.3.size: data.views has 1 item(s), numbered from 0"),
+    ("data.std=[0,0,0]", "data.std=[0.0, 0.0, 0.0] must be positive in every channel"),
+    ("data.mean=[0.5]", "data.mean=[0.5] must be 3 finite numbers"),
+    ("seed=-1", "seed=-1 must be a finite number >= 0"),
+    ("method.temperature=0", "method.temperature=0.0 must be a positive temperature"),
+])
+def test_bad_values_are_one_line_naming_the_key(override, message):
+    """Type errors used to print OmegaConf's four-line dump; std 0, a mean of the wrong length, a negative seed and
+    a zero temperature used to pass the config and fail after start-up with a traceback."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [override])
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_an_empty_config_file_or_a_directory_is_refused(tmp_path):
+    """An empty file used to train 500 steps on the built-in defaults and exit 0."""
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(tmp_path / "empty.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
