@@ -64,3 +64,15 @@ def test_training_data_the_backend_cannot_read(capsys, tmp_path, digits):
     refused(capsys, ["--config", CONFIG, run_dir, f"data.train={digits / 'train.beton'}", "data.backend=torchvision"],
             "is a file, but data.backend=torchvision reads an image folder")
     assert not (tmp_path / "run").exists()
+
+
+def test_more_loader_workers_than_the_machine_has_run_with_what_there_is(capsys, tmp_path, digits):
+    """data.num_workers above numba's thread limit crashed in numba ("number of threads must be between 1 and N");
+    the ImageNet-sized configs ship num_workers: 8."""
+    import numba
+
+    assert main(["--config", CONFIG, f"run_dir={tmp_path / 'run'}", f"data.train={digits / 'train.beton'}",
+                 f"data.val={digits / 'val.beton'}", "data.num_workers=64", "engine.max_steps=1",
+                 "model.proj_hidden_dim=64", "engine.image_grid_every_steps=0"]) == 0
+    assert (f"data.num_workers=64 is more than the {numba.config.NUMBA_NUM_THREADS} threads this machine gives "
+            f"numba: using {numba.config.NUMBA_NUM_THREADS}") in capsys.readouterr().err

@@ -180,6 +180,20 @@ class ReorderableLoader(Loader):
         self.first_traversal_order = ordered_indices      # what Loader.__len__ counts
 
 
+def usable_workers(num_workers: int) -> int:
+    """`num_workers` capped at the threads numba may start on this machine (its NUMBA_NUM_THREADS, the cores by
+    default): FFCV asks numba for one thread per worker, and numba refuses more ("number of threads must be between
+    1 and N"). The shipped ImageNet configs ask for 8; on a smaller machine they run with what there is."""
+    import numba
+
+    limit = int(numba.config.NUMBA_NUM_THREADS)
+    if num_workers > limit:
+        print(f"data.num_workers={num_workers} is more than the {limit} threads this machine gives numba: using "
+              f"{limit}", file=sys.stderr, flush=True)
+        return limit
+    return num_workers
+
+
 def build_ffcv_loader(path: str | Path, canvas_size: int, batch_size: int, num_workers: int,
                       drop_last: bool, memory_budget_bytes: int | None = None) -> ReorderableLoader:
     """An FFCV loader over every field of a pretrain .beton, images decoded to canvases. Refuses (DatasetError)
@@ -190,7 +204,7 @@ def build_ffcv_loader(path: str | Path, canvas_size: int, batch_size: int, num_w
     pipelines = {"image": [CanvasDecoder(canvas_size), ToTensor()], "label": list(integer_pipeline),
                  "index": [IntDecoder(), ToTensor()], "height": [IntDecoder(), ToTensor()],
                  "width": [IntDecoder(), ToTensor()]}
-    return ReorderableLoader(str(path), batch_size=batch_size, num_workers=num_workers,
+    return ReorderableLoader(str(path), batch_size=batch_size, num_workers=usable_workers(num_workers),
                              order=OrderOption.SEQUENTIAL, pipelines=pipelines, drop_last=drop_last,
                              indices=np.arange(1, dtype=np.uint64))
 
@@ -252,5 +266,6 @@ def build_ffcv_centre_crop_loader(path: str | Path, image_size: int, crop_fracti
     pipelines = {"image": [CenterCropRGBImageDecoder((image_size, image_size), ratio=crop_fraction), ToTensor()],
                  "label": [IntDecoder(), ToTensor()], "index": [IntDecoder(), ToTensor()], "height": None,
                  "width": None}
-    return ReorderableLoader(str(path), batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL,
+    return ReorderableLoader(str(path), batch_size=batch_size, num_workers=usable_workers(num_workers),
+                             order=OrderOption.SEQUENTIAL,
                              pipelines=pipelines, drop_last=False, indices=np.arange(1, dtype=np.uint64))
