@@ -55,6 +55,15 @@ class EvaluationInputs:
         self.batch_size = args.feature_batch_size
         self.use_cache = not args.no_cache
 
+    def check_same_classes(self) -> None:
+        """k-NN and the linear probe match labels by index: refuse train and val sets with other class names."""
+        train, val = class_names(self.train_path), class_names(self.val_path)
+        if train is not None and val is not None and train != val:
+            raise EvaluationInputError(
+                f"the training and validation data have different classes ({self.train_path}: {len(train)} classes "
+                f"{train[:4]}...; {self.val_path}: {len(val)} classes {val[:4]}...), and labels are matched by index: "
+                "pass --train and --val of the same dataset")
+
     @property
     def cache_path(self) -> Path:
         return feature_cache_path(self.out_dir, self.export.step)
@@ -111,6 +120,7 @@ def run_knn(args: argparse.Namespace) -> Path:
     """Weighted k-NN top-1 for every k; returns the JSON file written."""
     started = time.perf_counter()
     inputs = EvaluationInputs(args)
+    inputs.check_same_classes()
     features = inputs.features()
     train_features = features["train_features"].to(inputs.device)
     top1 = weighted_knn(train_features, features["train_labels"], features["val_features"],
@@ -134,6 +144,7 @@ def run_linear(args: argparse.Namespace) -> Path:
     """Linear probe on frozen features (cached, or fresh augmented views with --augment); returns the JSON."""
     started = time.perf_counter()
     inputs = EvaluationInputs(args)
+    inputs.check_same_classes()
     features = inputs.features()
     num_train, num_val = len(features["train_labels"]), len(features["val_labels"])
     if args.augment:
@@ -219,17 +230,27 @@ def run_retrieval(args: argparse.Namespace) -> Path:
     return path
 
 
-def number_of_classes(path: Path, features: dict[str, torch.Tensor]) -> int:
-    """The classes of a dataset: its class names (OUT.classes.json next to a .beton, the sub-folders of an
-    image folder), else the largest label of the train and val features plus one."""
+def class_names(path: Path) -> list[str] | None:
+    """A dataset's class names: OUT.classes.json next to a .beton (None without one), an image folder's
+    sub-folders."""
     from pretrain.data.writer import classes_path, list_image_folder
 
     path = Path(path)
     if path.is_dir():
-        return len(list_image_folder(path)[2])
+        try:
+            return list_image_folder(path)[2]
+        except ValueError:                 # no class folders or no images: the loader says so when it reads it
+            return None
     names = classes_path(path)
-    if names.is_file():
-        return len(json.loads(names.read_text()))
+    return json.loads(names.read_text()) if names.is_file() else None
+
+
+def number_of_classes(path: Path, features: dict[str, torch.Tensor]) -> int:
+    """The classes of a dataset: its class names (`class_names`), else the largest label of the train and val
+    features plus one."""
+    names = class_names(path)
+    if names is not None:
+        return len(names)
     return int(max(features["train_labels"].max(), features["val_labels"].max())) + 1
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -362,3 +363,17 @@ def test_baselines_reproduce_the_demos_anchor_rows_and_write_one_result(digits, 
     refused = run_module("eval", "baselines", "--config", str(REPO_ROOT / "configs/pretrain/simclr_digits.yaml"),
                          "optim.lrr=1")
     assert refused.returncode == 2 and "did you mean 'optim.lr'" in refused.stderr
+
+
+@pytest.mark.parametrize("protocol", ["knn", "linear"])
+def test_validation_data_with_other_classes_is_refused_not_matched_by_index(digits, tmp_path, capsys, protocol):
+    """k-NN and the linear probe compare label indices: a validation set of other classes used to be scored (26-40%
+    on the digits against a relabelled copy) with exit status 0."""
+    other = tmp_path / "other.beton"
+    shutil.copy(digits / "val.beton", other)
+    other.with_suffix(".classes.json").write_text(json.dumps([f"class_{i}" for i in range(10)]))
+    write_export(tmp_path / "backbone.pth", RESNET18_SMALL.state_dict(), train=digits / "train.beton", val=other)
+    assert main([protocol, "--run", str(tmp_path), "--image-size", "16"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "different classes" in error and str(other) in error
+    assert not (tmp_path / "eval").exists()
