@@ -197,3 +197,20 @@ def test_sixteen_bit_grayscale_png_is_scaled_to_eight_bits(tmp_path):
     expected = np.rint(gradient / 257.0).astype(np.uint8)
     for channel in range(3):
         assert np.array_equal(np.asarray(stored[0][..., channel]), expected)
+
+
+def test_an_exif_rotated_photo_is_read_upright_by_the_writer_and_the_torchvision_loader(tmp_path):
+    """A camera stores a portrait photo as landscape pixels plus EXIF orientation 6 (rotate 90 degrees clockwise to
+    view); it used to be written on its side."""
+    from pretrain.data.torchvision_loader import open_rgb
+    from pretrain.data.writer import read_rgb
+
+    pixels = np.zeros((10, 30, 3), np.uint8)            # 30 wide, 10 high as stored; a white first column
+    pixels[:, 0] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6                                     # Orientation: rotate 90 CW to display
+    Image.fromarray(pixels).save(tmp_path / "portrait.jpg", quality=95, exif=exif)
+    upright = read_rgb(tmp_path / "portrait.jpg")
+    assert upright.shape == (30, 10, 3)                  # displayed: 10 wide, 30 high
+    assert upright[0, :, 0].mean() > 200 and upright[-1, :, 0].mean() < 50        # the white column is now the top row
+    assert np.array_equal(np.asarray(open_rgb(tmp_path / "portrait.jpg")), upright)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 
@@ -41,7 +41,7 @@ def open_rgb(path: Path) -> Image.Image:
     """Decode one image file to RGB, or say which file is unreadable and how to find all such files."""
     try:
         with Image.open(path) as file:
-            return file.convert("RGB")
+            return ImageOps.exif_transpose(file).convert("RGB")     # EXIF orientation, as the .beton writer
     except OSError as error:
         raise OSError(f"Cannot read {path} ({error}); `python -m pretrain.data write` lists every unreadable "
                       f"image of a folder in OUT.skipped.txt: remove them from the folder.") from error

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from pretrain.data import DatasetError
 
@@ -150,9 +150,11 @@ def limit_side(image: np.ndarray, max_side: int | None) -> np.ndarray:
 def read_rgb(path: str | Path) -> np.ndarray:
     """Decode an image file to an HWC uint8 RGB array; raises OSError / ValueError on unreadable files.
 
-    16-bit grayscale images (PNG) are scaled to 8 bits (value / 257); Pillow already reduces 16-bit RGB."""
-    with Image.open(path) as image:
-        image.load()               # decodes fully: truncated files fail here, not at write time
+    16-bit grayscale images (PNG) are scaled to 8 bits (value / 257); Pillow already reduces 16-bit RGB. A JPEG's
+    EXIF orientation is applied (a camera's portrait photo is stored upright, not on its side)."""
+    with Image.open(path) as opened:
+        opened.load()              # decodes fully: truncated files fail here, not at write time
+        image = ImageOps.exif_transpose(opened)
         if image.mode in SIXTEEN_BIT_GRAY_MODES:
             gray = np.asarray(image).astype(np.float64) / 257.0
             gray = np.clip(np.rint(gray), 0, 255).astype(np.uint8)
