@@ -114,16 +114,41 @@ def watch_step(run_dir: Path, protocols: str, poll_seconds: float | None, follow
                 distributed=False)
 
 
+def existing_run(run: str, what: str) -> Path:
+    """The run directory a job works on, refused before submitting when it does not exist (a job would wait for
+    it, or fail, long after the command returned)."""
+    run_dir = Path(run).resolve()
+    if not run_dir.is_dir():
+        raise LaunchError(f"--run {run}: no such run directory; {what}")
+    return run_dir
+
+
 def command_eval_watch(args: argparse.Namespace) -> int:
     options = cluster_options(args)
-    run_dir = Path(args.run).resolve()
+    run_dir = existing_run(args.run, "start the pretraining first (or submit `launch pipeline`, whose watcher "
+                                     "starts with it)")
+    check_pipeline_arguments(argparse.Namespace(watch_protocols=args.protocols, final_protocols="", transfer="",
+                                                eval_gpus=None, watch_poll_seconds=args.poll_seconds,
+                                                finetune_config=None))
     submit(options, run_dir, "eval-watch", [watch_step(run_dir, args.protocols, args.poll_seconds, args.follow)])
     return 0
 
 
 def command_finetune(args: argparse.Namespace, stage_args: list[str]) -> int:
     options = cluster_options(args)
-    run_dir = Path(args.run).resolve()
+    run_dir = existing_run(args.run, "pass a pretraining run directory (it holds backbone.pth)")
+    from transfer.__main__ import build_parser as transfer_parser
+    from transfer.finetune_config import load_finetune_config
+
+    try:
+        stage = transfer_parser().parse_args(["finetune", "--run", str(run_dir), *stage_args])
+    except SystemExit:
+        raise LaunchError(f"transfer finetune does not take {' '.join(stage_args)!r} (see python -m transfer "
+                          "finetune --help)") from None
+    load_finetune_config(stage.config, stage.overrides)     # a bad recipe or value: ConfigError, exit 2
+    if stage.checkpoint is None and not (run_dir / "backbone.pth").is_file():
+        raise LaunchError(f"--run {args.run} has no backbone.pth yet: wait for the pretraining to export one, or "
+                          "pass --checkpoint EXPORT")
     submit(options, run_dir, "finetune", [Step("transfer", ["finetune", "--run", str(run_dir), *stage_args])])
     return 0
 
@@ -211,6 +236,8 @@ def command_pipeline(args: argparse.Namespace) -> int:
 def command_status(args: argparse.Namespace) -> int:
     from launch.status import status_table
 
+    if not Path(args.dir).is_dir():
+        raise LaunchError(f"{args.dir}: no such directory; pass a run directory, a sweep directory or a folder of runs")
     print(status_table(Path(args.dir)))
     return 0
 

@@ -201,3 +201,22 @@ def test_pipeline_refuses_what_its_jobs_would_fail_on_before_submitting(tmp_path
     assert main(["pipeline", "--config", str(ROOT / "configs/pretrain/simclr_digits.yaml"), f"run_dir={run_dir}",
                  "--cluster", "local", *bad]) == 2
     assert named in capsys.readouterr().err and not run_dir.exists()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["eval-watch", "--run", "{tmp}/missing"], "no such run directory; start the pretraining first"),
+    (["eval-watch", "--run", "{tmp}", "--protocols", "knn,foo"], "foo is not a protocol"),
+    (["finetune", "--run", "{tmp}/missing"], "no such run directory"),
+    (["finetune", "--run", "{tmp}", "data.label_fraction=150%"], "label_fraction"),
+    (["finetune", "--run", "{tmp}"], "has no backbone.pth yet"),
+    (["status", "{tmp}/missing"], "no such directory"),
+])
+def test_launch_refuses_a_missing_run_or_a_bad_value_before_submitting(tmp_path, capsys, argv, named):
+    """`launch eval-watch --run MISSING` used to create the directory and wait forever; `launch finetune` with a
+    missing run or a 150% label fraction failed in the job; `launch status MISSING` said 'no runs'."""
+    from launch.__main__ import main
+
+    assert main([part.replace("{tmp}", str(tmp_path)) for part in argv] + ["--cluster", "local"] *
+                (argv[0] != "status")) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "jobs.jsonl").exists()
