@@ -137,9 +137,12 @@ def load_backbone_export(path: str | Path, image_size: int | None = None) -> Bac
     try:
         export = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickle, zip and "weights only" failures all mean "not an export"
-        raise EvaluationInputError(f"{path} is not a backbone export readable with torch.load(weights_only=True) "
-                                   f"({type(error).__name__}: {error}); pass the backbone.pth written by "
-                                   "`python -m pretrain`") from None
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "weights_only" in str(error) or "Weights only load failed" in str(error):
+            reason = "it holds Python objects, not a tensor dict (a DeepSpeed checkpoint shard or another file)"
+        raise EvaluationInputError(f"{path} is not a backbone export ({reason}); pass the backbone.pth written by "
+                                   "`python -m pretrain`, or one of RUN_DIR/exports/backbone_stepNNNNNNNN.pth (not a "
+                                   "file of RUN_DIR/checkpoints/)") from None
     if not isinstance(export, dict) or "state_dict" not in export or "arch" not in export:
         keys = sorted(export) if isinstance(export, dict) else type(export).__name__
         raise EvaluationInputError(f"{path} is not a backbone export: expected a dict with 'arch' and 'state_dict', "
@@ -272,6 +275,11 @@ def extract_features(encode: Callable[[torch.Tensor], torch.Tensor],
     features = torch.cat(features_by_batch)
     labels = torch.cat(labels_by_batch)
     indices = torch.cat(indices_by_batch)
+    bad = int((~torch.isfinite(features)).any(dim=1).sum())
+    if bad:     # finite weights whose BatchNorm statistics overflow in eval mode (a run at a huge lr): not chance
+        raise EvaluationInputError(f"the encoder gives NaN or inf features for {bad} of {len(features)} images (its "
+                                   "weights or BatchNorm running statistics overflow: the run diverged without a NaN "
+                                   "loss); evaluate an earlier export (RUN_DIR/exports/) or retrain at a lower lr")
     if not torch.equal(torch.sort(indices).values, torch.arange(len(indices))):
         raise ValueError(f"the loader's indices are not a permutation of 0..{len(indices) - 1}; extract_features "
                          "needs every image exactly once (no drop_last, no shuffling across ranks)")

@@ -1,6 +1,7 @@
 """Tests of the evaluation stage: weighted k-NN, linear probe, checkpoint checks and the `python -m eval` CLI."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -377,3 +378,25 @@ def test_validation_data_with_other_classes_is_refused_not_matched_by_index(digi
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "different classes" in error and str(other) in error
     assert not (tmp_path / "eval").exists()
+
+
+def test_finite_weights_giving_non_finite_features_are_refused_not_scored_at_chance(digits, tmp_path, capsys):
+    """A run at a huge lr can end with finite weights whose eval-mode BatchNorm gives NaN features; k-NN used to
+    report chance with exit status 0."""
+    broken = {name: value.clone() for name, value in RESNET18_SMALL.state_dict().items()}
+    broken["layer2.0.bn1.running_var"].fill_(-1.0)                # sqrt of a negative variance: NaN in eval mode
+    write_export(tmp_path / "backbone.pth", broken, train=digits / "train.beton", val=digits / "val.beton")
+    assert main(["knn", "--run", str(tmp_path), "--image-size", "16"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "NaN or inf features for 1437 of 1437 images" in error
+
+
+def test_a_readme_or_a_checkpoint_shard_given_as_an_export_is_named_as_such(tmp_path, capsys):
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    torch.save({"module": argparse.Namespace(lr=0.1)}, tmp_path / "mp_rank_00_model_states.pt")
+    for path in (readme, tmp_path / "mp_rank_00_model_states.pt"):
+        assert main(["knn", "--checkpoint", str(path)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "is not a backbone export" in error and "exports/" in error
+        assert "weights_only=False" not in error                  # torch's advice to unpickle an untrusted file
+    assert "holds Python objects" in error
