@@ -214,3 +214,19 @@ def test_an_exif_rotated_photo_is_read_upright_by_the_writer_and_the_torchvision
     assert upright.shape == (30, 10, 3)                  # displayed: 10 wide, 30 high
     assert upright[0, :, 0].mean() > 200 and upright[-1, :, 0].mean() < 50        # the white column is now the top row
     assert np.array_equal(np.asarray(open_rgb(tmp_path / "portrait.jpg")), upright)
+
+
+def test_every_format_pillow_decodes_is_written_and_a_jpeg_quality_outside_1_to_100_is_refused(tmp_path):
+    """BMP, GIF (animated: its first frame), TIFF and WebP files used to be left out without being counted."""
+    folder = tmp_path / "images" / "things"
+    folder.mkdir(parents=True)
+    pixels = (np.random.default_rng(0).random((12, 12, 3)) * 255).astype(np.uint8)
+    for suffix in ("jpg", "png", "bmp", "tif", "webp"):
+        Image.fromarray(pixels).save(folder / f"image.{suffix}")
+    frames = [Image.fromarray(pixels), Image.fromarray(255 - pixels)]
+    frames[0].save(folder / "animated.gif", save_all=True, append_images=frames[1:])
+    report = write_image_folder(tmp_path / "images", tmp_path / "out.beton", workers=1)
+    assert report.written == 6 and not report.skipped
+    with pytest.raises(ValueError, match="--jpeg-quality 150 must lie in 1-100"):
+        write_image_folder(tmp_path / "images", tmp_path / "q.beton", jpeg_quality=150)
+    assert not (tmp_path / "q.beton").exists()

@@ -32,7 +32,8 @@ from PIL import Image, ImageOps
 
 from pretrain.data import DatasetError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")   # what Pillow decodes
+# (an animated GIF or WebP: its first frame)
 FIELD_NAMES = ("image", "label", "index", "height", "width")
 DEFAULT_MAX_SIDE = 512          # longer side of stored images: ImageNet's typical ~400 x 350 px stay as they are
 # FFCV stores each sample within one page of the file (ffcv.writer: a power of two from 2 MiB to below 4 GiB);
@@ -265,6 +266,8 @@ def write_image_folder(image_folder: str | Path, out_path: str | Path, *, unlabe
     """
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side must be a positive number of pixels, got {max_side}.")
+    if not 1 <= jpeg_quality <= 100:
+        raise ValueError(f"--jpeg-quality {jpeg_quality} must lie in 1-100 (JPEG's quality scale; default 90).")
     if unlabeled:
         paths = list_unlabeled_images(image_folder)
         labels, class_names = [-1] * len(paths), []
