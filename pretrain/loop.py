@@ -307,6 +307,10 @@ def run_training(stage: Stage) -> Any:
         stop_step = min(total_steps, o.max_steps) if o.max_steps > 0 else total_steps
         monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=o.print_every_steps,
                                   resumed_step=engine.global_steps if resumed_at is not None else None)
+        if resumed_at is not None and engine.global_steps >= stop_step:
+            # A finished run rerun: its export is written again from the final checkpoint, so that a damaged
+            # RUN_DIR/backbone.pth (a truncated copy, a full disk) is repaired rather than reported "done".
+            task.write_export(run_dir, resumed_at[0], engine.global_steps)
 
         # ==== training loop ====
         engine.train()

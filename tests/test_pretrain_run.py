@@ -96,6 +96,16 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     assert [line["step"] for line in logged(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 6
 
+    # A damaged export of the finished run (a truncated copy): rerunning the command writes it again from the final
+    # checkpoint (it used to say "done" and leave it corrupt). The exported weights are the final checkpoint's.
+    exported = torch.load(run_dir / "backbone.pth", weights_only=True)["state_dict"]
+    export_file = run_dir / "backbone.pth"
+    export_file.write_bytes(export_file.read_bytes()[:1000])
+    run(pretrain_command(run_dir, digits, "hvs.enabled=true", "engine.max_steps=6", "engine.checkpoint_every_steps=2"))
+    repaired = torch.load(run_dir / "backbone.pth", weights_only=True)
+    assert repaired["step"] == 6 and all(torch.equal(repaired["state_dict"][k], v) for k, v in exported.items())
+    assert [line["step"] for line in logged(run_dir)] == [1, 2, 3, 4, 5, 6]
+
 
 @pytest.mark.slow
 def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_path):
