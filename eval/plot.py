@@ -3,7 +3,9 @@
 For every run, the k-NN top-1 (k = --k) of each evaluated export, RUN_DIR/eval/knn_stepNNNNNNN.json (written by
 `python -m eval knn`, or by `python -m eval watch` for every checkpoint), against the training step; with
 --online, also the online linear probe's running top-1 (`monitor/online_linear_top1` in RUN_DIR/metrics.jsonl,
-smoothed over --smooth steps) as a dashed line of the same colour. A run is labelled by its directory name.
+smoothed over --smooth steps) as a dashed line of the same colour; with --baselines DIR (what `python -m eval
+baselines --out-dir DIR` wrote), the raw-pixel and random-init k-NN as horizontal lines. A run is labelled by its
+directory name.
 """
 from __future__ import annotations
 
@@ -52,10 +54,24 @@ def online_curve(run_dir: Path, smooth: int) -> list[tuple[int, float]]:
     return curve
 
 
+def baseline_knn(baselines_dir: Path, k: int) -> dict[str, float]:
+    """{"raw pixels": top-1, "random init": top-1} of BASELINES_DIR/eval/baselines_step0000000.json (k = 20)."""
+    from eval.baselines import KNN_K
+
+    path = baselines_dir / RESULTS_DIR / "baselines_step0000000.json"
+    if not path.is_file():
+        raise EvaluationInputError(f"--baselines {baselines_dir}: no {path}; write it with `python -m eval baselines "
+                                   f"--config CONFIG --out-dir {baselines_dir}`")
+    if k != KNN_K:
+        raise EvaluationInputError(f"--baselines holds k-NN at k = {KNN_K}, and --k is {k}: plot --k {KNN_K}")
+    result = json.loads(path.read_text())
+    return {"raw pixels": result["raw_pixels"]["knn"], "random init": result["random_init"]["knn"]}
+
+
 def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False, smooth: int = 50,
-              title: str | None = None) -> dict[str, list[tuple[int, float]]]:
+              title: str | None = None, baselines: Path | None = None) -> dict[str, list[tuple[int, float]]]:
     """Draw the curves to `out` (PNG); return {run name: k-NN points}. EvaluationInputError for a run without a
-    k-NN result (and without online values when `online`)."""
+    k-NN result (and without online values when `online`), or missing baselines."""
     import matplotlib
 
     matplotlib.use("Agg")                             # files only: no display on a cluster node
@@ -79,6 +95,8 @@ def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False
             axes.plot([s for s, _ in online_points], [100 * v for _, v in online_points], "--", color=colour,
                       alpha=0.6, label=f"{run_dir.name} (online probe, train batches)")
         curves[run_dir.name] = points
+    for (name, top1), style in zip((baseline_knn(baselines, k) if baselines else {}).items(), (":", "-.")):
+        axes.axhline(100 * top1, color="black", linestyle=style, linewidth=1, label=f"{name} ({100 * top1:.2f}%)")
     axes.set_xlabel("training step")
     axes.set_ylabel(f"k-NN top-1 (k = {k}), %")
     axes.set_title(title or "k-NN accuracy during pretraining")
@@ -100,10 +118,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--smooth", type=int, default=50,
                         help="steps the online probe's top-1 is averaged over (default: %(default)s)")
     parser.add_argument("--title", help="the figure's title (default: k-NN accuracy during pretraining)")
+    parser.add_argument("--baselines", type=Path, metavar="DIR",
+                        help="draw the raw-pixel and random-init k-NN of `python -m eval baselines --out-dir DIR`")
 
 
 def run_plot(args) -> int:
-    curves = plot_runs(args.runs, args.out, args.k, args.online, args.smooth, args.title)
+    curves = plot_runs(args.runs, args.out, args.k, args.online, args.smooth, args.title, args.baselines)
     for name, points in curves.items():
         last = f"{100 * points[-1][1]:.2f}% at step {points[-1][0]}" if points else "no k-NN result"
         print(f"{name}: {len(points)} k-NN point(s), last {last}")

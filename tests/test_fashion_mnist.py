@@ -87,6 +87,16 @@ def test_a_tiny_benchmark_run_trains_and_is_evaluated_on_the_written_test_set(tm
     plotted = run([sys.executable, "-m", "eval", "plot", str(run_dir), "--online", "--out", str(png)])
     assert f"run: 1 k-NN point(s), last {100 * result['top1']['20']:.2f}% at step 4" in plotted.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # the anchors of `eval baselines` as horizontal lines; a folder without them is refused by name
+    baselines = tmp_path / "baselines"
+    (baselines / "eval").mkdir(parents=True)
+    (baselines / "eval/baselines_step0000000.json").write_text(json.dumps(
+        {"raw_pixels": {"knn": 0.8557, "linear": 0.8392}, "random_init": {"knn": 0.8209, "linear": 0.8345}}))
+    run([sys.executable, "-m", "eval", "plot", str(run_dir), "--baselines", str(baselines), "--out", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    refused = run([sys.executable, "-m", "eval", "plot", str(run_dir), "--baselines", str(tmp_path), "--out",
+                   str(png)], expect=2)
+    assert "python -m eval baselines" in refused.stderr
     (tmp_path / "empty").mkdir()
     refused = run([sys.executable, "-m", "eval", "plot", str(tmp_path / "empty"), "--out", str(png)], expect=2)
     assert "has no k-NN result" in refused.stderr and "python -m eval watch" in refused.stderr
