@@ -4,7 +4,9 @@ the time limit.
 
 The stage code has no Slurm branches: the job sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT from submitit's `JobEnvironment` (Slurm's variables, multi-node included, or the
-local executor's) and calls the stage's `main(argv)` in-process, as `torchrun` would have started it.
+local executor's) and calls the stage's `main(argv)` in-process, as `torchrun` would have started it. A
+single-process step (an evaluation) runs in global rank 0 alone, as a world of one, and the job's environment is
+put back after it; the other tasks wait for its exit status (a file in the job folder) before the next step.
 
 Time limit and preemption (submitit's sbatch asks for SIGUSR2 `signal_delay_s` before the time limit):
 - every task's training loop takes SIGUSR2 as a stop request (`pretrain.graceful_stop`): the processes agree on
@@ -29,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +95,32 @@ class Step:
         return f"python -m {STAGES[self.stage].split('.')[0]} {' '.join(self.argv)}"
 
 
+def run_on_rank_zero(step: Step, status_file: Path, port: int) -> int:
+    """Run a single-process step in global rank 0 as a world of one (its own rendezvous port), then put the job's
+    environment back (the next distributed step runs on every task, with the job's world) and record the step's
+    exit status in `status_file` for the other tasks, which wait for it (`wait_for_step_status`)."""
+    saved = dict(os.environ)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(port))
+    status = 1                                 # an exception is a failed step for the waiting tasks too
+    try:
+        status = importlib.import_module(STAGES[step.stage]).main(list(step.argv))
+        return status
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        tmp = status_file.with_name(status_file.name + ".tmp")
+        tmp.write_text(str(status))
+        os.replace(tmp, status_file)
+
+
+def wait_for_step_status(status_file: Path, poll_seconds: float = 1.0) -> int:
+    """The exit status rank 0 recorded for a single-process step (a barrier between the job's steps: a task must
+    not start the next distributed step, or exit, before rank 0 has finished this one)."""
+    while not status_file.is_file():
+        time.sleep(poll_seconds)
+    return int(status_file.read_text())
+
+
 @dataclass
 class StageJob:
     """A job (pickled by submitit) that runs its steps in order in each of its tasks."""
@@ -109,13 +138,14 @@ class StageJob:
         restarts = restart_count(job_env, job_env.paths.folder)
         os.environ.update(distributed_environment(job_env, restarts, local))
         started_at = self.progress()
-        for step in self.steps:
-            if not step.distributed:
-                if job_env.global_rank != 0:
-                    continue
-                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                                  MASTER_PORT=str(rendezvous_port(job_env.job_id + "/rank0", restarts)))
-            status = importlib.import_module(STAGES[step.stage]).main(list(step.argv))
+        for index, step in enumerate(self.steps):
+            done = job_env.paths.folder / f"{job_env.job_id}.run{restarts}.step{index}.status"
+            if not step.distributed and job_env.global_rank != 0:
+                status = wait_for_step_status(done)     # rank 0 runs it alone; the others wait for its outcome
+            elif not step.distributed:
+                status = run_on_rank_zero(step, done, rendezvous_port(job_env.job_id + "/rank0", restarts))
+            else:
+                status = importlib.import_module(STAGES[step.stage]).main(list(step.argv))
             if status == STOPPED_FOR_TIME_LIMIT:
                 if job_env.global_rank == 0:
                     self.requeue(job_env, restarts, started_at)
