@@ -68,7 +68,7 @@ def restart_count(job_env, folder: Path) -> int:
     if job_env.cluster != "local":
         return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     record = folder / f"{job_env.job_id}.requeues"
-    return len(record.read_text().split()) if record.is_file() else 0
+    return len([line for line in record.read_text().splitlines() if line.strip()]) if record.is_file() else 0
 
 
 def hold_stop_signals() -> None:
@@ -156,24 +156,34 @@ class StageJob:
                 raise RuntimeError(f"{step.describe()} exited with status {status}; see the messages above")
         return 0
 
-    def progress(self) -> int | None:
-        """The newest complete checkpoint's step of the run (None where there is none, or no run directory)."""
+    def progress(self) -> dict[str, int]:
+        """The newest complete checkpoint's step of every training stage of the run: pretraining's
+        (RUN_DIR/checkpoints) and those of the fine-tuning and detection runs under it (RUN_DIR/finetune/*/,
+        RUN_DIR/detection/*/), by directory; {} without a run directory. A fine-tuning job's progress is its own."""
         if self.run_dir is None:
-            return None
+            return {}
         from pretrain.checkpoint import complete_checkpoints
 
-        newest = complete_checkpoints(Path(self.run_dir) / "checkpoints")
-        return int(newest[0].name.removeprefix("step")) if newest else None
+        run_dir = Path(self.run_dir)
+        steps = {}
+        for directory in [run_dir / "checkpoints", *sorted(run_dir.glob("finetune/*/checkpoints")),
+                          *sorted(run_dir.glob("detection/*/checkpoints"))]:
+            newest = complete_checkpoints(directory)
+            if newest:
+                steps[str(directory.parent.relative_to(run_dir)) or "."] = int(newest[0].name.removeprefix("step"))
+        return steps
 
-    def requeue(self, job_env, restarts: int, started_at: int | None) -> None:
+    def requeue(self, job_env, restarts: int, started_at: dict[str, int]) -> None:
         """Rank 0, after every task saved the checkpoint: put the job back in the queue, within the limits."""
-        now_at = self.progress()
+        progress = self.progress()
+        now_at = ", ".join(f"{step}" + (f" of {name}" if name != "." else "") for name, step in progress.items())
+        now_at = now_at or "none"
         if restarts >= self.max_requeues:
             print(f"launch: not requeued: the job reached its time limit {restarts + 1} times (max_requeues="
                   f"{self.max_requeues}); the checkpoint of step {now_at} is saved: submit the same command again "
                   "to continue", file=sys.stderr, flush=True)
             return
-        if self.run_dir is not None and now_at == started_at:
+        if self.run_dir is not None and progress == started_at:
             print(f"launch: not requeued: no optimizer step was taken in this allocation (still at step {now_at}); "
                   "raise --time or --signal-delay-s", file=sys.stderr, flush=True)
             return

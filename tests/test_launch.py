@@ -248,3 +248,24 @@ def test_a_two_task_local_pipeline_fine_tunes_on_both_tasks_after_rank_0_evaluat
     states = list((run_dir / "finetune").glob("*/checkpoints/step*/trainer_state.json"))
     assert states and all(json.loads(p.read_text())["world_size"] == 2 for p in states)
     assert (run_dir / "eval/knn_step0000004.json").is_file() and (run_dir / "eval/linear_step0000004.json").is_file()
+
+
+def test_a_jobs_progress_includes_the_fine_tuning_and_detection_runs_under_the_pretraining_run(tmp_path):
+    """A fine-tuning job's requeue is refused when its allocation made no progress; its progress used to be read
+    from RUN_DIR/checkpoints alone, which fine-tuning never writes, so it never requeued ("no optimizer step")."""
+    from launch.jobs import StageJob, Step
+
+    job = StageJob([Step("transfer", ["finetune"])], run_dir=str(tmp_path))
+    assert job.progress() == {}
+
+    def checkpoint(directory: str, step: int) -> None:
+        (tmp_path / directory / f"step{step:08d}").mkdir(parents=True)
+        (tmp_path / directory / f"step{step:08d}" / "trainer_state.json").write_text("{}")
+
+    checkpoint("checkpoints", 500)
+    before = job.progress()
+    checkpoint("finetune/digits_10pct_export_step0000500/checkpoints", 40)
+    checkpoint("finetune/digits_10pct_export_step0000500/checkpoints", 80)
+    (tmp_path / "finetune/digits_10pct_export_step0000500/checkpoints/step00000120").mkdir()   # incomplete
+    assert before == {".": 500}
+    assert job.progress() == {".": 500, "finetune/digits_10pct_export_step0000500": 80} != before
