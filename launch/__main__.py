@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from launch.cluster import ClusterOptions, LaunchError, add_cluster_arguments, build_executor, cluster_options
+from launch.cluster import (ClusterOptions, LaunchError, add_cluster_arguments, build_executor, cluster_options,
+                            time_limit_minutes)
 from launch.jobs import StageJob, Step
 from launch.sweep import run_name, sweep_combinations
 
@@ -51,7 +52,7 @@ def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step],
         # kill-on-invalid-dep: a job whose dependency can no longer be met is cancelled, not left pending
         executor.update_parameters(dependency=dependency, additional_parameters={
             **executor.parameters.get("additional_parameters", {}), "kill-on-invalid-dep": "yes"})
-    job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir)))
+    job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
     entry = record_job(run_dir, kind, job, options, steps)
     report(entry, run_dir)
     return job
@@ -90,7 +91,8 @@ def command_pretrain(args: argparse.Namespace) -> int:
         runs.append((name, combination, run_dir, [pretrain_step(args.config, overrides, run_dir)]))
     executor = build_executor(options, sweep_dir / "jobs", sweep_dir.name)
     with executor.batch():                                   # one Slurm job array (separate processes locally)
-        jobs = [executor.submit(StageJob(steps, options.max_requeues, str(run_dir))) for *_, run_dir, steps in runs]
+        jobs = [executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
+                for *_, run_dir, steps in runs]
     entries = []
     for (name, combination, run_dir, steps), job in zip(runs, jobs):
         entry = record_job(run_dir, "pretrain", job, options, steps)

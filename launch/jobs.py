@@ -12,7 +12,11 @@ Time limit and preemption (submitit's sbatch asks for SIGUSR2 `signal_delay_s` b
 - every task's training loop takes SIGUSR2 as a stop request (`pretrain.graceful_stop`): the processes agree on
   it at the next optimizer step, save a checkpoint of that step together, and return 128 + SIGUSR2;
 - then global rank 0 requeues the job (`scontrol requeue`; locally, submitit's local controller restarts the
-  tasks), unless the job has been requeued `max_requeues` times already or made no progress since it started;
+  tasks), unless it reached its time limit `max_requeues` times already or made no progress in this allocation;
+  the other tasks exit only once rank 0 has decided (with srun's KillOnBadExit=1 an early exit would kill rank 0
+  before its requeue). A SIGUSR2 well before the limit is a preemption (`preempt_send_user_signal`), told apart
+  as submitit does (`has_timed_out`: the allocation ran less than min(80%, all but 10 minutes) of --time): it
+  is always requeued and not counted against `max_requeues`; neither are node failures or manual requeues;
 - the requeued job runs the same command line, which resumes from the newest complete checkpoint. Its
   rendezvous port differs from the previous run's (it includes Slurm's restart count): a stale rendezvous of
   the previous allocation cannot be joined (submitit issue #1613).
@@ -63,8 +67,9 @@ def distributed_environment(job_env, restart_count: int, local: bool) -> dict[st
 
 
 def restart_count(job_env, folder: Path) -> int:
-    """How many times this job has been requeued: Slurm's count (preemptions included), or, for a local job,
-    the requeues its rank 0 recorded in JOB_FOLDER/<job id>.requeues."""
+    """How many times this job has been requeued, for any reason (it makes each allocation's rendezvous port):
+    Slurm's count, or, for a local job, the requeues its rank 0 recorded in JOB_FOLDER/<job id>.requeues. Only
+    time limits count against --max-requeues (`time_limit_requeues`)."""
     if job_env.cluster != "local":
         return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     record = folder / f"{job_env.job_id}.requeues"
@@ -113,6 +118,23 @@ def run_on_rank_zero(step: Step, status_file: Path, port: int) -> int:
         os.replace(tmp, status_file)
 
 
+def wait_for_file(path: Path, timeout_s: float, poll_seconds: float = 1.0) -> bool:
+    """Wait until `path` exists (True) or `timeout_s` has passed (False)."""
+    deadline = time.time() + timeout_s
+    while not path.is_file():
+        if time.time() > deadline:
+            return False
+        time.sleep(poll_seconds)
+    return True
+
+
+def time_limit_requeues(folder: Path, job_id: str) -> int:
+    """How many times this job was requeued at its time limit (rank 0 records each in JOB_FOLDER/<id>.timeouts):
+    preemptions, node failures and manual requeues are not counted against --max-requeues."""
+    record = folder / f"{job_id}.timeouts"
+    return len([line for line in record.read_text().splitlines() if line.strip()]) if record.is_file() else 0
+
+
 def wait_for_step_status(status_file: Path, poll_seconds: float = 1.0) -> int:
     """The exit status rank 0 recorded for a single-process step (a barrier between the job's steps: a task must
     not start the next distributed step, or exit, before rank 0 has finished this one)."""
@@ -128,10 +150,12 @@ class StageJob:
     steps: list[Step]
     max_requeues: int = 10
     run_dir: str | None = None              # where progress is read, to refuse a requeue without progress
+    time_limit_min: int | None = None       # the job's --time: tells a time limit from a preemption
 
     def __call__(self) -> int:
         import submitit
 
+        started = time.time()
         hold_stop_signals()
         job_env = submitit.JobEnvironment()
         local = job_env.cluster == "local"
@@ -147,8 +171,14 @@ class StageJob:
             else:
                 status = importlib.import_module(STAGES[step.stage]).main(list(step.argv))
             if status == STOPPED_FOR_TIME_LIMIT:
+                decided = job_env.paths.folder / f"{job_env.job_id}.run{restarts}.requeue_decided"
                 if job_env.global_rank == 0:
-                    self.requeue(job_env, restarts, started_at)
+                    try:
+                        self.requeue(job_env, started_at, timed_out=self.timed_out(started))
+                    finally:
+                        decided.touch()
+                else:       # no task exits before rank 0 has requeued (srun's KillOnBadExit would kill rank 0)
+                    wait_for_file(decided, timeout_s=300)
                 raise SystemExit(status)        # no result file: the job is not over
             if status > 128:                    # stopped on SIGTERM / SIGINT after a checkpoint
                 raise SystemExit(status)
@@ -173,27 +203,47 @@ class StageJob:
                 steps[str(directory.parent.relative_to(run_dir)) or "."] = int(newest[0].name.removeprefix("step"))
         return steps
 
-    def requeue(self, job_env, restarts: int, started_at: dict[str, int]) -> None:
-        """Rank 0, after every task saved the checkpoint: put the job back in the queue, within the limits."""
+    def timed_out(self, started: float) -> bool:
+        """Whether the stop signal came at the time limit rather than from a preemption, as submitit decides it
+        (`JobEnvironment.has_timed_out`): the allocation has run min(80%, all but 10 minutes) of --time."""
+        if self.time_limit_min is None:
+            return True
+        limit_s = self.time_limit_min * 60
+        return time.time() - started >= min(0.8 * limit_s, limit_s - 600)
+
+    def requeue(self, job_env, started_at: dict[str, int], timed_out: bool) -> None:
+        """Rank 0, after every task saved the checkpoint: put the job back in the queue. A time limit counts
+        against --max-requeues and needs progress in this allocation; a preemption is always requeued."""
+        folder = job_env.paths.folder
         progress = self.progress()
         now_at = ", ".join(f"{step}" + (f" of {name}" if name != "." else "") for name, step in progress.items())
         now_at = now_at or "none"
-        if restarts >= self.max_requeues:
-            print(f"launch: not requeued: the job reached its time limit {restarts + 1} times (max_requeues="
+        timeouts = time_limit_requeues(folder, job_env.job_id)
+        if timed_out and timeouts >= self.max_requeues:
+            print(f"launch: not requeued: the job reached its time limit {timeouts + 1} times (max_requeues="
                   f"{self.max_requeues}); the checkpoint of step {now_at} is saved: submit the same command again "
                   "to continue", file=sys.stderr, flush=True)
             return
-        if self.run_dir is not None and progress == started_at:
+        if timed_out and self.run_dir is not None and progress == started_at:
             print(f"launch: not requeued: no optimizer step was taken in this allocation (still at step {now_at}); "
                   "raise --time or --signal-delay-s", file=sys.stderr, flush=True)
             return
-        print(f"launch: time limit: checkpoint of step {now_at} saved; requeueing job {job_env.job_id} "
-              f"(requeue {restarts + 1} of at most {self.max_requeues})", file=sys.stderr, flush=True)
+        if timed_out:
+            with open(folder / f"{job_env.job_id}.timeouts", "a") as record:
+                record.write(f"{now_at}\n")
+            print(f"launch: time limit: checkpoint of step {now_at} saved; requeueing job {job_env.job_id} "
+                  f"(requeue {timeouts + 1} of at most {self.max_requeues})", file=sys.stderr, flush=True)
+        else:
+            print(f"launch: preempted: checkpoint of step {now_at} saved; requeueing job {job_env.job_id} (not "
+                  "counted against --max-requeues)", file=sys.stderr, flush=True)
         if job_env.cluster == "local":
-            with open(job_env.paths.folder / f"{job_env.job_id}.requeues", "a") as record:
+            with open(folder / f"{job_env.job_id}.requeues", "a") as record:
                 record.write(f"{now_at}\n")
             raise SystemExit(LOCAL_REQUEUE_EXIT)
-        subprocess.run(["scontrol", "requeue", job_env.job_id], check=True, timeout=60)
+        requeued = subprocess.run(["scontrol", "requeue", job_env.job_id], capture_output=True, text=True, timeout=60)
+        if requeued.returncode != 0:    # a preempted job that Slurm requeues itself (PreemptMode=REQUEUE) is pending
+            print(f"launch: scontrol requeue {job_env.job_id}: {requeued.stderr.strip() or requeued.returncode} "
+                  f"(Slurm may already have requeued it)", file=sys.stderr, flush=True)
 
     def checkpoint(self, *args, **kwargs):
         """submitit, on rank 0, for a SIGUSR2 that arrived before the stage handled signals: requeue as is."""

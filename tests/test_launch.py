@@ -269,3 +269,28 @@ def test_a_jobs_progress_includes_the_fine_tuning_and_detection_runs_under_the_p
     (tmp_path / "finetune/digits_10pct_export_step0000500/checkpoints/step00000120").mkdir()   # incomplete
     assert before == {".": 500}
     assert job.progress() == {".": 500, "finetune/digits_10pct_export_step0000500": 80} != before
+
+
+def test_only_time_limits_count_against_max_requeues_and_a_preemption_is_always_requeued(tmp_path, capsys):
+    """A stop signal is a time limit when the allocation has run min(80%, all but 10 minutes) of --time, as
+    submitit's has_timed_out decides; earlier it is a preemption (preempt_send_user_signal). Preemptions used to be
+    counted against --max-requeues (Slurm's SLURM_RESTART_COUNT counts them) and could exhaust it."""
+    from types import SimpleNamespace
+
+    from launch.jobs import LOCAL_REQUEUE_EXIT, StageJob, Step, time_limit_requeues
+
+    job = StageJob([Step("pretrain", [])], max_requeues=1, run_dir=None, time_limit_min=60)
+    assert not job.timed_out(time.time() - 10 * 60)             # 10 of 60 minutes: a preemption
+    assert job.timed_out(time.time() - 50 * 60)                 # past min(48, 50) minutes: the time limit
+    assert StageJob([], time_limit_min=1).timed_out(time.time())   # a 1-minute job: always its limit
+
+    job_env = SimpleNamespace(cluster="local", job_id="123", paths=SimpleNamespace(folder=tmp_path))
+    with pytest.raises(SystemExit) as requeued:
+        job.requeue(job_env, {}, timed_out=True)                # the first time limit: requeued and counted
+    assert requeued.value.code == LOCAL_REQUEUE_EXIT and time_limit_requeues(tmp_path, "123") == 1
+    for _ in range(3):                                          # preemptions: always requeued, never counted
+        with pytest.raises(SystemExit):
+            job.requeue(job_env, {}, timed_out=False)
+    assert time_limit_requeues(tmp_path, "123") == 1 and "preempted" in capsys.readouterr().err
+    job.requeue(job_env, {}, timed_out=True)                    # the second time limit: max_requeues=1 reached
+    assert "reached its time limit 2 times (max_requeues=1)" in capsys.readouterr().err
