@@ -18,10 +18,17 @@ It exits when the run has finished (RUN_DIR/finished.json) and every published e
 pretraining's Slurm job; `python -m launch pipeline` passes it) it also stops, with exit status 1, once that
 job has ended without finishing the run (failed, cancelled, out of requeues), after evaluating what it
 published: a watcher does not wait out its time limit for a run that will not go on.
+
+SIGUSR2 (the scheduler's time-limit warning), SIGTERM and SIGINT stop the watcher at once, the evaluation under
+way abandoned (its result is written last, so it is simply redone), with exit status 128 + signal: `launch`
+requeues a watcher job at its time limit like the training it follows, and the requeued watcher goes on where
+this one stopped.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eval.results import feature_cache_path, result_path
+from pretrain.graceful_stop import PENDING_STOP_SIGNAL
 from pretrain.checkpoint import export_path, published_export_steps
 
 PROTOCOLS = ("knn", "linear", "retrieval")   # the sub-commands of `python -m eval` the watcher can run
@@ -109,6 +117,19 @@ def run_protocol(args: argparse.Namespace, protocol: str, step: int,
     evaluate(argv)
 
 
+class WatcherStopped(BaseException):
+    """A stop signal reached the watcher (raised from its handler, in the middle of whatever it was doing; a
+    BaseException, as KeyboardInterrupt, so that no `except Exception` of an evaluation swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_stop(signum: int, frame) -> None:
+    raise WatcherStopped(signum)
+
+
 def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> int:
     """Follow `args.run` (see the module docstring); `evaluate(argv)` runs one `python -m eval` protocol command."""
     from eval.features import EvaluationInputError
@@ -140,7 +161,11 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> 
                   flush=True)
             reported_skips.add(step)
 
+    previous = {signum: signal.signal(signum, raise_stop) for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
     try:
+        pending_signal = os.environ.pop(PENDING_STOP_SIGNAL, None)   # one that reached the job before this handler
+        if pending_signal:
+            raise WatcherStopped(int(pending_signal))
         print(f"watching {run_dir} for checkpoints to evaluate with {', '.join(protocols)}", flush=True)
         while True:
             # The job's state first, then finished.json, then the exports: a job that ended after writing
@@ -181,5 +206,11 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> 
                       f"run (submit it again) and start a new watcher", file=sys.stderr, flush=True)
                 return 1
             time.sleep(args.poll_seconds)
+    except WatcherStopped as stop:
+        print(f"stopped on {stop}: {evaluated} evaluations now; rerun the same command (a requeued job does) to go "
+              "on", file=sys.stderr, flush=True)
+        return 128 + stop.signum
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         lock.release()

@@ -174,7 +174,8 @@ class StageJob:
                 decided = job_env.paths.folder / f"{job_env.job_id}.run{restarts}.requeue_decided"
                 if job_env.global_rank == 0:
                     try:
-                        self.requeue(job_env, started_at, timed_out=self.timed_out(started))
+                        self.requeue(job_env, started_at, timed_out=self.timed_out(started),
+                                     needs_progress=step.stage != "eval")
                     finally:
                         decided.touch()
                 else:       # no task exits before rank 0 has requeued (srun's KillOnBadExit would kill rank 0)
@@ -211,9 +212,10 @@ class StageJob:
         limit_s = self.time_limit_min * 60
         return time.time() - started >= min(0.8 * limit_s, limit_s - 600)
 
-    def requeue(self, job_env, started_at: dict[str, int], timed_out: bool) -> None:
+    def requeue(self, job_env, started_at: dict[str, int], timed_out: bool, needs_progress: bool = True) -> None:
         """Rank 0, after every task saved the checkpoint: put the job back in the queue. A time limit counts
-        against --max-requeues and needs progress in this allocation; a preemption is always requeued."""
+        against --max-requeues and, for a training step (`needs_progress`; not the watcher, which follows a run
+        that may be waiting in the queue), needs progress in this allocation; a preemption is always requeued."""
         folder = job_env.paths.folder
         progress = self.progress()
         now_at = ", ".join(f"{step}" + (f" of {name}" if name != "." else "") for name, step in progress.items())
@@ -224,7 +226,7 @@ class StageJob:
                   f"{self.max_requeues}); the checkpoint of step {now_at} is saved: submit the same command again "
                   "to continue", file=sys.stderr, flush=True)
             return
-        if timed_out and self.run_dir is not None and progress == started_at:
+        if timed_out and needs_progress and self.run_dir is not None and progress == started_at:
             print(f"launch: not requeued: no optimizer step was taken in this allocation (still at step {now_at}); "
                   "raise --time or --signal-delay-s", file=sys.stderr, flush=True)
             return

@@ -99,3 +99,43 @@ def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_aft
     assert calls == [("linear", 3, False), ("knn", 3, True), ("linear", 9, False), ("knn", 9, True)]
     assert sorted(p.name for p in (run_dir / "eval").glob("*_step*")) == [
         "knn_step0000003.json", "knn_step0000009.json", "linear_step0000003.json", "linear_step0000009.json"]
+
+
+def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_every_export_once(digits, tmp_path):
+    """At its time limit a watcher job is warned (SIGUSR2): it used to have no handler and be killed by the
+    scheduler while pretraining went on; it now stops at once with 128 + SIGUSR2 (launch requeues it), and the
+    rerun completes the list, every export evaluated exactly once."""
+    import os
+    import signal
+
+    from eval.__main__ import build_parser, evaluate
+    from eval.watch import watch
+    from pretrain.models import create_backbone
+    from tests.eval_helpers import write_export
+
+    run_dir = tmp_path / "run"
+    for step in (3, 6):
+        torch.manual_seed(step)
+        write_export(run_dir / f"exports/backbone_step{step:08d}.pth", create_backbone("resnet18", "small_stride2")
+                     .state_dict(), train=digits / "train.beton", val=digits / "val.beton", step=step)
+    (run_dir / "exports/published.txt").write_text("3\n6\n")
+    (run_dir / "finished.json").write_text('{"step": 6, "epoch": 1}')
+    evaluated = []
+
+    def evaluate_then_warned(argv):
+        evaluated.append(argv[argv.index("--checkpoint") + 1][-12:-4])
+        if len(evaluated) == 2:                       # the time-limit warning during step 6's k-NN
+            os.kill(os.getpid(), signal.SIGUSR2)
+        evaluate(argv)
+
+    args = build_parser().parse_args(["watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "0.1",
+                                      "--image-size", "16", "--num-workers", "1"])
+    handler = signal.getsignal(signal.SIGUSR2)
+    assert watch(args, evaluate=evaluate_then_warned) == 128 + signal.SIGUSR2
+    assert signal.getsignal(signal.SIGUSR2) is handler                      # the caller's handler is back
+    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == ["knn_step0000003.json"]
+    assert not (run_dir / "eval/watch.lock").exists()
+    assert watch(args, evaluate=evaluate_then_warned) == 0                  # the requeued watcher goes on
+    assert evaluated == ["00000003", "00000006", "00000006"]
+    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == [
+        "knn_step0000003.json", "knn_step0000006.json"]
