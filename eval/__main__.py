@@ -208,10 +208,15 @@ def run_retrieval(args: argparse.Namespace) -> Path:
     if evaluated == "embedding":
         val_features = embed(head, val_features.to(inputs.device)).cpu()
     metrics = retrieval_metrics(val_features.to(inputs.device), val_labels, ks=args.ks, chunk_size=args.chunk_size)
-    metrics["nmi"] = clustering_nmi(val_features, val_labels, seed=args.seed)
+    num_classes_evaluated = len(torch.unique(val_labels))
+    if num_classes_evaluated >= 2:
+        metrics["nmi"] = clustering_nmi(val_features, val_labels, seed=args.seed)
+    else:                                    # k-means against one class has no mutual information to measure
+        metrics["nmi"], metrics["nmi_skipped"] = None, "one class: NMI is undefined"
     seconds = time.perf_counter() - started
     tags = {"precision@1": "precision_at_1", "r_precision": "r_precision", "map@r": "map_at_r", "r_map": "r_map",
-            "nmi": "nmi", **{f"recall@{k}": f"recall_at_{k}" for k in args.ks}}
+            **({"nmi": "nmi"} if metrics["nmi"] is not None else {}),
+            **{f"recall@{k}": f"recall_at_{k}" for k in args.ks}}
     classes_evaluated = sorted(int(c) for c in torch.unique(val_labels))
     path = write_results(inputs, protocol, metrics["recall@1"] if 1 in args.ks else metrics["precision@1"],
                          {f"eval/{protocol}_{tag}": metrics[name] for name, tag in tags.items()},
@@ -225,7 +230,8 @@ def run_retrieval(args: argparse.Namespace) -> Path:
           + (f" ({metrics['no_relevant']} without another image of their class left out)"
              if metrics["no_relevant"] else ""))
     for name in [*(f"recall@{k}" for k in args.ks), "precision@1", "r_precision", "map@r", "r_map", "nmi"]:
-        print(f"  {name:12s} {100 * metrics[name]:6.2f}%")
+        print(f"  {name:12s} {100 * metrics[name]:6.2f}%" if metrics[name] is not None
+              else f"  {name:12s} skipped ({metrics['nmi_skipped']})")
     print(f"results: {path}")
     return path
 

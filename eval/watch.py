@@ -148,7 +148,10 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> 
     try:
         taken_over = lock.acquire()
     except RunDirectoryInUse as error:
-        raise EvaluationInputError(f"another watcher follows this run: {error}") from None
+        holder = str(error).split(": two runs")[0]          # "RUN_DIR/eval is in use by pid P on HOST (since T)"
+        raise EvaluationInputError(f"another watcher follows this run ({holder}); one watcher per run evaluates "
+                                   "every checkpoint: leave it running, or stop it and start this one. If it is "
+                                   f"gone (e.g. its node died), delete {run_dir / 'eval' / 'watch.lock'}") from None
     if taken_over:
         print(taken_over, file=sys.stderr, flush=True)
     reported_skips: set[int] = set()

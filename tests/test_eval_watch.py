@@ -139,3 +139,20 @@ def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_ev
     assert evaluated == ["00000003", "00000006", "00000006"]
     assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == [
         "knn_step0000003.json", "knn_step0000006.json"]
+
+
+def test_a_second_watcher_is_told_to_leave_the_first_running_not_to_rename_the_run(tmp_path, capsys):
+    """It used to be told to "start this one with another name=", which would not evaluate this run at all."""
+    from eval.__main__ import main
+    from pretrain.run_lock import RunLock
+
+    run_dir = tmp_path / "run"
+    first = RunLock(run_dir / "eval", "watch.lock")
+    first.acquire()
+    try:
+        assert main(["watch", "--run", str(run_dir)]) == 2
+    finally:
+        first.release()
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "another watcher follows this run" in error
+    assert "leave it running" in error and "name=" not in error

@@ -172,6 +172,14 @@ def test_cli_retrieval_with_split_classes_writes_json_and_tensorboard(tmp_path, 
     monkeypatch.setattr(EvaluationInputs, "features", lambda self: first_half)
     assert main([*argv, "--split-classes"]) == 2
     assert "keeps the images of classes 5-9" in capsys.readouterr().err
+    # Data of one class: the ranking metrics are scored and NMI, undefined, is skipped with a note (it used to
+    # fail in scikit-learn).
+    one_class = {**features, "val_labels": torch.zeros_like(features["val_labels"])}
+    monkeypatch.setattr(EvaluationInputs, "features", lambda self: one_class)
+    assert main(argv) == 0
+    result = json.loads((run / "eval" / "retrieval_step0000040.json").read_text())
+    assert result["nmi"] is None and result["nmi_skipped"] == "one class: NMI is undefined" and result["r_map"] == 1.0
+    assert "nmi          skipped (one class" in capsys.readouterr().out
 
 
 # ============ the embedding the metric-learning methods train: exported, and what retrieval ranks by ============
