@@ -143,16 +143,21 @@ def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_ev
 
 def test_a_second_watcher_is_told_to_leave_the_first_running_not_to_rename_the_run(tmp_path, capsys):
     """It used to be told to "start this one with another name=", which would not evaluate this run at all."""
+    import subprocess
+    import sys
+
     from eval.__main__ import main
-    from pretrain.run_lock import RunLock
 
     run_dir = tmp_path / "run"
-    first = RunLock(run_dir / "eval", "watch.lock")
-    first.acquire()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pretrain.run_lock import RunLock; "
+                               f"RunLock({str(run_dir / 'eval')!r}, 'watch.lock').acquire(); print('held', flush=True); "
+                               "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
     try:
+        assert holder.stdout.readline().strip() == "held"
         assert main(["watch", "--run", str(run_dir)]) == 2
     finally:
-        first.release()
+        holder.kill()
+        holder.wait()
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "another watcher follows this run" in error
     assert "leave it running" in error and "name=" not in error
