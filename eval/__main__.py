@@ -25,6 +25,7 @@ from eval.knn import weighted_knn
 from eval.linear import train_linear_probe, train_linear_probe_on_views
 from eval.results import feature_cache_path, write_results
 from eval.retrieval import clustering_nmi, retrieval_metrics
+from pretrain.argument_types import positive_float, positive_int
 
 # ============ inputs: checkpoint, data, features ============
 
@@ -273,22 +274,6 @@ def build_augmented_views(inputs: EvaluationInputs, args: argparse.Namespace):
 
 
 # ============ argument parsing ============
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
-    return value
 
 
 def crop_fraction(text: str) -> float:

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pretrain.argument_types import positive_int
+
 SIMCLR_SIDE = 32
 SOURCE_SIDE = 64
 
@@ -117,6 +119,10 @@ def images_per_second(loader, epochs: int = 3) -> tuple[float, float]:
 
 
 def run_loader_benchmark(args: argparse.Namespace) -> dict:
+    if args.images < args.batch_size:       # every epoch would be empty (whole batches only): nothing to time
+        print(f"error: --images {args.images} is fewer than --batch-size {args.batch_size}: an epoch holds whole "
+              "batches only; raise --images or lower --batch-size", file=sys.stderr)
+        raise SystemExit(2)
     if args.sizes == "imagenet":
         return run_imagenet_loader_benchmark(args)
     from pretrain.data.loader import build_view_loader
@@ -167,13 +173,14 @@ def add_loader_command(commands) -> None:
     loader = commands.add_parser("loader", help="FFCV N-view loader vs torchvision DataLoader, images/s.",
                                  description="Measure images/s of the FFCV N-view loader and the torchvision path "
                                              "on the same synthetic 64 px JPEGs, N = 2 and 4 views of 32 px.")
-    loader.add_argument("--images", type=int, default=4000, help="Number of synthetic images. Default: 4000.")
-    loader.add_argument("--batch-size", type=int, default=256, help="Images per batch. Default: 256.")
-    loader.add_argument("--workers", type=int, default=2,
+    loader.add_argument("--images", type=positive_int, default=4000, help="Number of synthetic images. Default: 4000.")
+    loader.add_argument("--batch-size", type=positive_int, default=256, help="Images per batch. Default: 256.")
+    loader.add_argument("--workers", type=positive_int, default=2,
                         help="FFCV threads / DataLoader worker processes / torch threads. Default: 2.")
-    loader.add_argument("--epochs", type=int, default=3,
+    loader.add_argument("--epochs", type=positive_int, default=3,
                         help="Timed epochs after the warm-up epoch; the fastest is reported. Default: 3.")
-    loader.add_argument("--views", type=int, nargs="+", default=[2, 4], help="View counts N to time. Default: 2 4.")
+    loader.add_argument("--views", type=positive_int, nargs="+", default=[2, 4],
+                        help="View counts N to time. Default: 2 4.")
     loader.add_argument("--device", default="cpu", help="Device the views are made on (cpu, cuda). Default: cpu.")
     loader.add_argument("--data-dir", default="bench/data", help="Where the synthetic images are cached. "
                                                                  "Default: bench/data.")
@@ -183,15 +190,15 @@ def add_loader_command(commands) -> None:
                              "SimCLR 2x224 / 4x224 and DINO 2x224+6x96 / 4x224+16x96, decode once vs one decode per "
                              "view vs torchvision, each in a process of its own (memory), a canvas-size sweep and "
                              "a profile")
-    loader.add_argument("--canvas", type=int, default=384, help="imagenet: the decode-once canvas. Default: 384.")
-    loader.add_argument("--canvas-sweep", type=int, nargs="*", default=[256, 512],
+    loader.add_argument("--canvas", type=positive_int, default=384, help="imagenet: the decode-once canvas. Default: 384.")
+    loader.add_argument("--canvas-sweep", type=positive_int, nargs="*", default=[256, 512],
                         help="imagenet: further canvases timed for SimCLR and DINO. Default: 256 512.")
     loader.set_defaults(run=run_loader_benchmark)
     case = commands.add_parser("loader-case", help=argparse.SUPPRESS)
     case.add_argument("--case", required=True)
-    case.add_argument("--batch-size", type=int, default=64)
-    case.add_argument("--workers", type=int, default=2)
-    case.add_argument("--epochs", type=int, default=2)
+    case.add_argument("--batch-size", type=positive_int, default=64)
+    case.add_argument("--workers", type=positive_int, default=2)
+    case.add_argument("--epochs", type=positive_int, default=2)
     case.set_defaults(run=lambda args: print(json.dumps(run_loader_case(args))) or {}, out=None)
 
 

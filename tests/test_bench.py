@@ -21,3 +21,24 @@ def test_bench_commands_run_and_write_their_tables(tmp_path):
     forked_runs.run("pretrain.bench", ["hvs", "--batch-size", "8", "--steps", "1", "--warmup", "1", "--out",
                                        tmp_path / "hvs.json"])
     assert json.loads((tmp_path / "hvs.json").read_text())
+
+
+@pytest.mark.parametrize("option, value", [("--images", "0"), ("--batch-size", "-1"), ("--epochs", "0"),
+                                           ("--views", "0"), ("--workers", "0")])
+def test_counts_that_cannot_be_measured_are_refused_by_argparse(capsys, option, value):
+    """--images 0, --batch-size -1 and --epochs 0 used to end in tracebacks, --views 0 in a result of 0.0 images/s."""
+    from pretrain.bench import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["loader", option, value])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {option}: " in error and "positive" in error
+
+
+def test_fewer_images_than_a_batch_is_refused_not_timed_as_zero(capsys):
+    from pretrain.bench import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["loader", "--images", "10", "--batch-size", "256"])
+    assert refused.value.code == 2 and "--images 10 is fewer than --batch-size 256" in capsys.readouterr().err

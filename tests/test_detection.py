@@ -321,8 +321,9 @@ def test_bad_inputs_are_refused_in_one_line_with_status_2(tmp_path, tiny_scenes,
     assert "other parameters: train.num_images=12 (asked 99)" in refused(
         ["detection", "--run", str(run_dir), *data, "data.num_train=99"])
     assert "did you mean 'train.epochs'" in refused(["detection", "--run", str(run_dir), *data, "train.epoch=1"])
-    assert "full_key: train.epochs" in refused(["detection", "--run", str(run_dir), *data, "train.epochs=two"])
+    assert "invalid value for train.epochs: Value 'two'" in refused(["detection", "--run", str(run_dir), *data, "train.epochs=two"])
     assert "train.lr=0.0 must be" in refused(["detection", "--run", str(run_dir), *data, "train.lr=0"])
     assert "does not exist" in refused(["detection", "--run", str(run_dir), "--config", str(tmp_path / "no.yaml")])
     assert "image_size=16" in refused(["digit-scenes", "--out-dir", str(tmp_path / "s"), "--image-size", "16"])
+    assert "seed=-1 must be" in refused(["detection", "--run", str(run_dir), *data, "seed=-1"])
     assert not (run_dir / "eval").exists()

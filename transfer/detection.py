@@ -176,7 +176,7 @@ CONFIG_KEYS = tuple(schema_keys(DetectionConfig))
 KEYS_WHERE = "the docstring of transfer/detection.py"
 
 # (key, smallest allowed value): integers and numbers outside these ranges are refused by name.
-LOWER_BOUNDS = (("data.num_train", 1), ("data.num_val", 1), ("data.image_size", 32), ("data.seed", 0),
+LOWER_BOUNDS = (("seed", 0), ("data.num_train", 1), ("data.num_val", 1), ("data.image_size", 32), ("data.seed", 0),
                 ("model.roi_output_size", 1), ("model.frozen_stages", 0), ("model.rpn_batch_size_per_image", 1),
                 ("model.rpn_pre_nms_top_n_train", 1), ("model.rpn_post_nms_top_n_train", 1),
                 ("model.rpn_pre_nms_top_n_test", 1), ("model.rpn_post_nms_top_n_test", 1),

@@ -52,6 +52,7 @@ import cv2
 import numpy as np
 
 from pretrain.data.digits import digits_images, digits_split
+from pretrain.argument_types import non_negative_int, positive_int
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -374,14 +375,6 @@ def write_moved_digits(out_dir: str | Path, *, image_size: int = 32, seed: int =
 # ============ command line: python -m transfer digit-scenes ============
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="data/digit_scenes",
                         help="folder for train/, val/, train.json and val.json (default: %(default)s)")
@@ -392,7 +385,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=positive_int, default=DEFAULT_IMAGE_SIZE, metavar="PX",
                         help="side of the square scenes, at least 32; digits are 15-42%% of it "
                              "(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: %(default)s)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="seed of every random choice (default: %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help="rewrite the set even when OUT_DIR holds a complete one (with the same or other "
                              "parameters)")
