@@ -72,8 +72,11 @@ def run_baselines(args) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    device = resolve_device(args.device)
     out_dir = args.out_dir or Path("runs") / f"baselines_{cfg.name}"
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"error: --out-dir {out_dir} is a file; pass a folder (it gets eval/ and tb/)", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
     started = time.time()
     encoders = {"raw_pixels": lambda x: x.flatten(1), "random_init": random_init_backbone(cfg).to(device)}
     table = {name: evaluate_encoder(encode, cfg, device, cfg.data.train, cfg.data.val, args.image_size)

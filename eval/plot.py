@@ -123,6 +123,9 @@ def add_arguments(parser) -> None:
 
 
 def run_plot(args) -> int:
+    if args.out.is_dir() or args.out.suffix.lower() != ".png":
+        raise EvaluationInputError(f"--out {args.out} must be a .png file (e.g. {args.out.with_suffix('.png').name} "
+                                   "or docs/knn_curves.png)")
     curves = plot_runs(args.runs, args.out, args.k, args.online, args.smooth, args.title, args.baselines)
     for name, points in curves.items():
         last = f"{100 * points[-1][1]:.2f}% at step {points[-1][0]}" if points else "no k-NN result"

@@ -37,6 +37,9 @@ class Pretraining(ConfiguredStage):
 
     def check_inputs(self) -> None:
         cfg = self.cfg
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ConfigError(f"run_dir={self.run_dir} is a file; the run directory holds checkpoints, exports and "
+                              "logs: pass a folder (or leave run_dir out for runs/NAME)")
         check_training_data(cfg.data.train, cfg.data.backend)
         if cfg.data.backend == "ffcv" and is_unlabeled(cfg.data.train):
             if method_module(cfg.method.name).METHOD.needs_labels(cfg):

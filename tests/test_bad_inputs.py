@@ -76,3 +76,11 @@ def test_more_loader_workers_than_the_machine_has_run_with_what_there_is(capsys,
                  "model.proj_hidden_dim=64", "engine.image_grid_every_steps=0"]) == 0
     assert (f"data.num_workers=64 is more than the {numba.config.NUMBA_NUM_THREADS} threads this machine gives "
             f"numba: using {numba.config.NUMBA_NUM_THREADS}") in capsys.readouterr().err
+
+
+def test_a_run_dir_that_is_a_file_is_refused_by_name(capsys, tmp_path, digits):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    refused(capsys, ["--config", CONFIG, f"run_dir={afile}", f"data.train={digits / 'train.beton'}"],
+            f"run_dir={afile} is a file")
+    assert afile.read_text() == "mine"

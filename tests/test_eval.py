@@ -400,3 +400,16 @@ def test_a_readme_or_a_checkpoint_shard_given_as_an_export_is_named_as_such(tmp_
         assert len(error.splitlines()) == 1 and "is not a backbone export" in error and "exports/" in error
         assert "weights_only=False" not in error                  # torch's advice to unpickle an untrusted file
     assert "holds Python objects" in error
+
+
+def test_output_paths_of_the_wrong_kind_are_refused_in_one_line(tmp_path, capsys):
+    """`eval baselines --out-dir FILE` and `eval plot --out DIRECTORY` used to end in tracebacks (or a PNG written
+    beside the directory)."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    assert main(["baselines", "--config", str(Path(__file__).parents[1] / "configs/pretrain/simclr_digits.yaml"),
+                 "--out-dir", str(afile)]) == 2
+    assert "is a file; pass a folder" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "must be a .png file" in capsys.readouterr().err
+    assert afile.read_text() == "mine" and not (tmp_path.parent / f"{tmp_path.name}.png").exists()
