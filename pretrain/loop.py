@@ -30,6 +30,7 @@ always writes the key: `grad_clip` when it is > 0, else 0 (no clipping). DINO's 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import closing
@@ -45,6 +46,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from pretrain.checkpoint import resume_from_newest_loadable, run_layout, save_checkpoint
+from pretrain.config_error import ConfigError
+from pretrain.data import DatasetError
 from pretrain.distributed import finite_on_every_rank, init_distributed, parameters_finite_on_every_rank
 from pretrain.divergence import NonFiniteLoss, TrainingDiverged
 from pretrain.graceful_stop import GracefulStop, StopRequested
@@ -268,6 +271,27 @@ def run_training(stage: Stage) -> Any:
     stage.check_inputs()                                # before any process group or worker starts
     rank, world_size, device = init_distributed(o.device)
     run_dir = stage.run_dir
+    created = first_missing_directory(run_dir)          # what a refused fresh start must not leave behind
+    try:
+        return train_in_run_directory(stage, o, rank, world_size, device, run_dir)
+    except (ConfigError, DatasetError):                 # bad input found while building the data or the task
+        if rank == 0 and created is not None and not any(created.rglob("trainer_state.json")):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def first_missing_directory(path: Path) -> Path | None:
+    """The outermost directory of `path` (itself included) that does not exist yet: what a start creates."""
+    missing = None
+    for candidate in [path, *path.parents]:
+        if candidate.exists():
+            return missing
+        missing = candidate
+    return missing
+
+
+def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: torch.device, run_dir: Path) -> Any:
+    """`run_training` from the run directory's lock on (see there)."""
     # Signals are honoured from here on: one that arrives during the set-up stops the run after its first step.
     with GracefulStop() as stop, locked_run_directory(run_dir, rank):
         stage.check_resumable()                         # on every rank: a refused start ends all of them

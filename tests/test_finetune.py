@@ -322,6 +322,9 @@ def test_bad_input_is_refused_in_one_line_with_status_2(digits, tmp_path, capsys
     val = write_image_folder(tmp_path / "val", ["a", "b", "c"])
     refused(base + [f"data.train={train}", f"data.val={val}"],
             "the training and validation data have different classes")
+    # refused while building the data, after the run directory was made: it is removed again (label_subset.json
+    # and checkpoints/ used to stay behind)
+    refused(base + ["data.label_fraction=1e-9"], "give fewer than optim.grad_accum=1 batches")
     assert not (run_dir / "finetune").exists()                         # nothing was started
 
     finetune = next(action for action in build_parser()._actions if action.dest == "command").choices["finetune"]
