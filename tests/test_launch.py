@@ -224,30 +224,27 @@ def test_launch_refuses_a_missing_run_or_a_bad_value_before_submitting(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_two_task_local_pipeline_fine_tunes_on_both_tasks_after_rank_0_evaluated_alone(digits, tmp_path):
-    """One local job of two tasks: pretraining (2 processes), the k-NN watcher and the linear probe (rank 0 alone),
-    then fine-tuning (2 processes). Rank 0 used to keep the single-process steps' environment (WORLD_SIZE=1, their
-    port) and fine-tune as a world of one while rank 1 waited at the old rendezvous; the other task now waits for
-    rank 0's steps, and the job's environment is put back."""
-    from tests import forked_runs
+def test_a_two_task_job_fine_tunes_on_both_tasks_after_rank_0_evaluated_alone(digits, tmp_path):
+    """A job of two tasks (a pipeline's final job): the k-NN of the export on rank 0 alone, then fine-tuning on both.
+    Rank 0 used to keep the single-process step's environment (WORLD_SIZE=1, its port) and fine-tune as a world of
+    one while rank 1 waited at the job's rendezvous; the other task now waits for rank 0's step, and the job's
+    environment is put back."""
+    from launch.__main__ import submit
+    from launch.jobs import Step
+    from tests.test_finetune import write_export
 
     recipe = tmp_path / "finetune.yaml"
     recipe.write_text((ROOT / "configs/transfer/finetune_digits.yaml").read_text().replace("epochs: 20", "epochs: 1"))
     run_dir = tmp_path / "run"
-    forked_runs.run("launch", [
-        "pipeline", "--config", ROOT / "configs/pretrain/simclr_digits.yaml", f"run_dir={run_dir}",
-        f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}", "data.batch_size=32",
-        "data.num_workers=1", "model.proj_hidden_dim=64", "engine.max_steps=4", "engine.image_grid_every_steps=0",
-        "--cluster", "local", "--tasks-per-node", "2", "--cpus-per-task", "1", "--transfer", "finetune",
-        "--finetune-config", recipe])
-    result = run_dir / "eval/finetune_10pct_export_step0000004.json"
-    deadline = time.time() + 400
-    while not result.is_file():
-        assert time.time() < deadline, "\n".join(p.read_text()[-2000:] for p in (run_dir / "jobs").glob("*_log.err"))
-        time.sleep(2)
+    write_export(run_dir, digits)
+    two_tasks = cluster_options(options(cluster="local", tasks_per_node=2, cpus_per_task=1))
+    job = submit(two_tasks, run_dir, "final-eval", [
+        Step("eval", ["knn", "--run", str(run_dir), "--ks", "20"], distributed=False),
+        Step("transfer", ["finetune", "--run", str(run_dir), "--config", str(recipe)])])
+    job.results()                                      # raises if a task failed; waits for both
     states = list((run_dir / "finetune").glob("*/checkpoints/step*/trainer_state.json"))
     assert states and all(json.loads(p.read_text())["world_size"] == 2 for p in states)
-    assert (run_dir / "eval/knn_step0000004.json").is_file() and (run_dir / "eval/linear_step0000004.json").is_file()
+    assert (run_dir / "eval/knn_step0000042.json").is_file()
 
 
 def test_a_jobs_progress_includes_the_fine_tuning_and_detection_runs_under_the_pretraining_run(tmp_path):
