@@ -413,3 +413,13 @@ def test_output_paths_of_the_wrong_kind_are_refused_in_one_line(tmp_path, capsys
     assert main(["plot", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "must be a .png file" in capsys.readouterr().err
     assert afile.read_text() == "mine" and not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+
+
+def test_an_image_size_too_large_to_decode_is_named_not_the_stored_images(digits, tmp_path, capsys):
+    """--image-size 100000 used to blame the .beton's images (32 px) and advise rewriting it with --max-side."""
+    write_export(tmp_path / "backbone.pth", RESNET18_SMALL.state_dict(), train=digits / "train.beton",
+                 val=digits / "val.beton")
+    assert main(["knn", "--run", str(tmp_path), "--image-size", "100000", "--no-cache"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "images of 100000 x 100000 px in batches of 256" in error and "--image-size" in error
+    assert "--max-side" not in error and len(error.splitlines()) == 1

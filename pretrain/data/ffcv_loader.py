@@ -158,6 +158,13 @@ def check_decode_memory(path: str | Path, batch_size: int, output_pixels: int, b
     needed, height, width = decode_buffer_bytes(path, batch_size, output_pixels)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     budget = total // 2 if budget_bytes is None else budget_bytes
+    if needed > budget and output_pixels > height * width:      # the size asked for, not the stored images
+        side = round(output_pixels ** 0.5)
+        raise DatasetError(
+            f"images of {side} x {side} px in batches of {batch_size} would take {needed / 1e9:.1f} GB of decode "
+            f"buffers ({FFCV_BATCHES_IN_FLIGHT} batches in flight), over {budget / 1e9:.1f} GB (half of this "
+            f"machine's memory); {path} stores images of at most {height} x {width} px: ask for a smaller image "
+            "size (--image-size, data.views.*.size, data.canvas_size) or a smaller batch")
     if needed > budget:
         raise DatasetError(
             f"{path}: its largest image is {height} x {width} px, and FFCV sizes every decode buffer for it: batches "
