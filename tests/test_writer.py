@@ -230,3 +230,30 @@ def test_every_format_pillow_decodes_is_written_and_a_jpeg_quality_outside_1_to_
     with pytest.raises(ValueError, match="--jpeg-quality 150 must lie in 1-100"):
         write_image_folder(tmp_path / "images", tmp_path / "q.beton", jpeg_quality=150)
     assert not (tmp_path / "q.beton").exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_write_with_the_reason_and_no_partial_file(tmp_path):
+    """A real full disk: the output folder on a 300 KB tmpfs in a private mount namespace. FFCV's workers die on
+    ENOSPC and its parent used to wait for them forever, the partial file keeping the disk full."""
+    import shlex
+
+    images = tmp_path / "images" / "noise"
+    images.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        Image.fromarray((rng.random((64, 64, 3)) * 255).astype(np.uint8)).save(images / f"{i}.png")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    write = " ".join(shlex.quote(part) for part in [sys.executable, "-m", "pretrain.data", "write", "--image-folder",
+                                                    str(tmp_path / "images"), "--out", str(disk / "x.beton"),
+                                                    "--write-mode", "raw"])
+    script = (f"mount -t tmpfs -o size=300k tmpfs {disk}; timeout 120 {write} 2> {tmp_path}/err; "
+              f"echo $? > {tmp_path}/code; ls -A {disk} > {tmp_path}/left")
+    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
+        ["unshare", "--user", "--map-root-user", "--mount"]
+    subprocess.run([*namespace, "bash", "-c", script], check=True, timeout=180)
+    last_line = (tmp_path / "err").read_text().strip().splitlines()[-1]
+    assert (tmp_path / "code").read_text().strip() == "2", last_line        # not 124: it did not hang
+    assert last_line.startswith("error: ") and "no space left on device" in last_line
+    assert (tmp_path / "left").read_text().split() == []                    # no partial .beton keeps the disk full

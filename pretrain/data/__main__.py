@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                                         max_side=args.max_side or None,
                                         write_mode=args.write_mode, jpeg_quality=args.jpeg_quality,
                                         workers=args.workers)
-        except (FileNotFoundError, NotADirectoryError, ValueError) as error:
+        except (OSError, ValueError) as error:      # a missing folder, a full disk, a bad value
             print(f"error: {error}", file=sys.stderr)
             return 2
         print(report.summary())

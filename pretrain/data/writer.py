@@ -20,8 +20,11 @@ for gigabytes.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,10 +250,53 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
     page_size = page_size_for(max(largest_pixels, DEFAULT_MAX_SIDE * DEFAULT_MAX_SIDE))
 
     def write(tmp: Path) -> None:
-        DatasetWriter(str(tmp), fields, page_size=page_size, num_workers=max(1, workers)).from_indexed_dataset(
-            dataset, chunksize=64)
+        writer = DatasetWriter(str(tmp), fields, page_size=page_size, num_workers=max(1, workers))
+        try:
+            run_watching_the_disk(lambda: writer.from_indexed_dataset(dataset, chunksize=64), tmp, page_size)
+        except OSError:
+            metadata = getattr(writer, "metadata_sm", None)      # FFCV's shared memory, which it frees on success
+            if metadata is not None:
+                metadata.close()
+                metadata.unlink()
+            raise
 
     replace_atomically(write, out_path)
+
+
+def run_watching_the_disk(write, tmp: Path, page_size: int, stalled_s: float = 5.0, poll_s: float = 0.5) -> None:
+    """Run FFCV's `write()` while watching the file it writes: when the filesystem is full and the file has not
+    grown for `stalled_s`, FFCV's worker processes have died on ENOSPC and its parent would wait for them forever.
+    Then the workers are terminated and an OSError says "no space left on device" (the caller removes the
+    partial file). FFCV's own errors are raised as they are."""
+    import multiprocessing
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            write()
+            outcome.append(None)
+        except BaseException as error:              # handed to the calling thread
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, name="ffcv-writer", daemon=True)   # a stuck one dies with us
+    thread.start()
+    size, since = -1, time.monotonic()
+    while thread.is_alive():
+        thread.join(poll_s)
+        current = tmp.stat().st_size if tmp.exists() else 0
+        if current != size:
+            size, since = current, time.monotonic()
+            continue
+        if time.monotonic() - since > stalled_s and shutil.disk_usage(tmp.parent).free < page_size:
+            for child in multiprocessing.active_children():
+                child.terminate()
+            raise OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
+                                        f"({shutil.disk_usage(tmp.parent).free} bytes free): free some space, "
+                                        "or write the .beton elsewhere (--out)")
+    if outcome and outcome[0] is not None:
+        raise outcome[0]
 
 
 def write_image_folder(image_folder: str | Path, out_path: str | Path, *, unlabeled: bool = False,
