@@ -14,6 +14,16 @@ def report(message: str) -> None:
     print(f"{prefix}{message}", file=sys.stderr, flush=True)
 
 
+def one_line(error: BaseException) -> str:
+    """The error's message in one line. A DataLoader worker's error comes back as "Caught E in DataLoader worker
+    process N. Original Traceback ...": its own message, the traceback's last line, is what says what to do."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Caught ") and lines[1].startswith("Original Traceback"):
+        last = lines[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return " ".join(lines)
+
+
 def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseException], ...], what: str) -> int:
     """Call `train()` and turn how it ended into the exit status; `input_errors` are the bad-input errors
     (status 2), `what` names the work in the start-up interruption message ("training", "fine-tuning")."""
@@ -24,8 +34,7 @@ def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseExc
     try:
         train()
     except input_errors as error:
-        # one line, all of it: OmegaConf's type errors span several (value, full_key, types)
-        report("error: " + " ".join(line.strip() for line in str(error).splitlines()))
+        report("error: " + one_line(error))
         return 2
     except TrainingDiverged as error:
         report(f"error: {error}")

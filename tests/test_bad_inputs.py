@@ -84,3 +84,23 @@ def test_a_run_dir_that_is_a_file_is_refused_by_name(capsys, tmp_path, digits):
     refused(capsys, ["--config", CONFIG, f"run_dir={afile}", f"data.train={digits / 'train.beton'}"],
             f"run_dir={afile} is a file")
     assert afile.read_text() == "mine"
+
+
+def test_the_torchvision_backend_names_an_unreadable_image_or_an_empty_folder_in_one_line(capsys, tmp_path, digits):
+    """A text file named .jpg used to end in a DataLoader worker's traceback at whichever batch held it, and a folder
+    of class folders without images in a traceback at the first batch."""
+    folder = tmp_path / "images"
+    for name in ("a", "b"):
+        (folder / name).mkdir(parents=True)
+    common = ["--config", CONFIG, f"run_dir={tmp_path / 'run'}", f"data.train={folder}", "data.backend=torchvision",
+              "engine.max_steps=1", "data.batch_size=5", "data.num_workers=1",     # one batch: all 5 images
+              "engine.image_grid_every_steps=0"]
+    refused(capsys, common, "has class sub-folders but no images")
+    from PIL import Image
+
+    for name in ("a", "b"):
+        for i in range(2):
+            Image.new("RGB", (20, 20), (i * 100, 50, 50)).save(folder / name / f"{i}.png")
+    (folder / "b" / "notes.jpg").write_text("not a JPEG")
+    error = refused(capsys, common, f"Cannot read {folder / 'b' / 'notes.jpg'}", "OUT.skipped.txt")
+    assert "Traceback" not in error and "DataLoader worker" not in error

@@ -235,6 +235,13 @@ def check_training_data(path: str | Path, backend: str) -> None:
     elif not path.is_dir():
         raise DatasetError(f"data.train={str(path)!r} is a file, but data.backend=torchvision reads an image folder "
                            "(one sub-folder per class); for a .beton set data.backend=ffcv")
+    else:
+        from pretrain.data.writer import list_image_folder
+
+        try:
+            list_image_folder(path)                 # no class folders or no images: said now, not at a batch
+        except ValueError as error:
+            raise DatasetError(f"data.train={str(path)!r}: {error}") from None
 
 
 class ImageLoader:

@@ -16,6 +16,7 @@ from PIL import Image, ImageOps
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 
+from pretrain.data import DatasetError
 from pretrain.data.augment import blur_kernel_size
 from pretrain.data.seeding import seeded_generator
 from pretrain.data.views import ViewGroup
@@ -42,9 +43,10 @@ def open_rgb(path: Path) -> Image.Image:
     try:
         with Image.open(path) as file:
             return ImageOps.exif_transpose(file).convert("RGB")     # EXIF orientation, as the .beton writer
-    except OSError as error:
-        raise OSError(f"Cannot read {path} ({error}); `python -m pretrain.data write` lists every unreadable "
-                      f"image of a folder in OUT.skipped.txt: remove them from the folder.") from error
+    except OSError as error:   # a DatasetError: the command exits 2 with this line (from a loader worker too)
+        reason = " ".join(str(error).split())
+        raise DatasetError(f"Cannot read {path} ({reason}); `python -m pretrain.data write` lists every unreadable "
+                           f"image of a folder in OUT.skipped.txt: remove them from the folder.") from error
 
 
 class ImageFolderImages(torch.utils.data.Dataset):
