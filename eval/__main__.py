@@ -414,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = args.handler(args)
     except (EvaluationInputError, DatasetError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        from pretrain.exit_status import one_line
+
+        print(f"error: {one_line(error)}", file=sys.stderr)     # a loader worker's error: its own message
         return 2
     return status if isinstance(status, int) else 0
 
