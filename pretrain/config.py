@@ -384,7 +384,7 @@ def validate(cfg: DictConfig) -> None:
                           "by it)")
     for key, value in cfg.method.items():
         if (key == "temperature" or key.endswith("_temp")) and isinstance(value, (int, float)) and not value > 0:
-            raise ConfigError(f"method.{key}={value} must be a positive temperature (logits are divided by it)")
+            raise ConfigError(f"method.{key}={value} must be positive (a temperature: the logits are divided by it)")
     for index, group in enumerate(views_to_draw(cfg)):
         try:
             check_view_group(group)

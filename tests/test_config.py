@@ -112,7 +112,7 @@ def test_every_shipped_finetune_config_loads(path):
     ("data.std=[0,0,0]", "data.std=[0.0, 0.0, 0.0] must be positive in every channel"),
     ("data.mean=[0.5]", "data.mean=[0.5] must be 3 finite numbers"),
     ("seed=-1", "seed=-1 must be a finite number >= 0"),
-    ("method.temperature=0", "method.temperature=0.0 must be a positive temperature"),
+    ("method.temperature=0", "method.temperature=0.0 must be positive (a temperature"),
 ])
 def test_bad_values_are_one_line_naming_the_key(override, message):
     """Type errors used to print OmegaConf's four-line dump; std 0, a mean of the wrong length, a negative seed and
