@@ -77,7 +77,7 @@ def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False
     matplotlib.use("Agg")                             # files only: no display on a cluster node
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, axes = plt.subplots(figsize=(10, 4.5))
     curves = {}
     for index, run_dir in enumerate(run_dirs):
         if not run_dir.is_dir():
@@ -95,13 +95,17 @@ def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False
             axes.plot([s for s, _ in online_points], [100 * v for _, v in online_points], "--", color=colour,
                       alpha=0.6, label=f"{run_dir.name} (online probe, train batches)")
         curves[run_dir.name] = points
-    for (name, top1), style in zip((baseline_knn(baselines, k) if baselines else {}).items(), (":", "-.")):
+    anchors = baseline_knn(baselines, k) if baselines else {}
+    for (name, top1), style in zip(anchors.items(), (":", "-.")):
         axes.axhline(100 * top1, color="black", linestyle=style, linewidth=1, label=f"{name} ({100 * top1:.2f}%)")
+    if anchors:                                       # axhline does not widen the autoscaled range
+        low, high = axes.get_ylim()
+        axes.set_ylim(low, max(high, 100 * max(anchors.values()) + 1))
     axes.set_xlabel("training step")
-    axes.set_ylabel(f"k-NN top-1 (k = {k}), %")
+    axes.set_ylabel(f"top-1, %: k-NN (k = {k})" + (", online probe dashed" if online else ""))
     axes.set_title(title or "k-NN accuracy during pretraining")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))     # beside the curves, not on them
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=120)
