@@ -65,23 +65,30 @@ def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(di
     print(f"export -> k-NN result: {', '.join(f'{s:.1f} s' for s in latency)} (steps 3 and 9)")
 
 
-def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_after_its_last_protocol(digits, tmp_path, capsys):
+def finished_run_with_exports(run_dir: Path, digits: Path, steps: tuple[int, ...]) -> Path:
+    """A finished run directory with a published random-init ResNet-18 export (on the digits) at each of `steps`."""
+    from pretrain.models import create_backbone
+    from tests.eval_helpers import write_export
+
+    for step in steps:
+        torch.manual_seed(step)
+        write_export(run_dir / f"exports/backbone_step{step:08d}.pth", create_backbone("resnet18", "small_stride2")
+                     .state_dict(), train=digits / "train.beton", val=digits / "val.beton", step=step)
+    (run_dir / "exports/published.txt").write_text("".join(f"{step}\n" for step in steps))
+    (run_dir / "finished.json").write_text(json.dumps({"step": steps[-1], "epoch": 1}))
+    return run_dir
+
+
+def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_after_its_last_protocol(digits, tmp_path,
+                                                                                                     capsys):
     """A run that keeps few exports deletes old ones while the watcher works through its list: the watcher re-checks
     each export (it used to crash on the first vanished one). With --protocols linear,knn the features are extracted
     once per step and removed after the step's last protocol (the cache used to be removed after the
     alphabetically last, linear, so knn extracted it again and left it behind)."""
     from eval.__main__ import build_parser, evaluate
     from eval.watch import watch
-    from pretrain.models import create_backbone
-    from tests.eval_helpers import write_export
 
-    run_dir = tmp_path / "run"
-    for step in (3, 6, 9):
-        torch.manual_seed(step)
-        write_export(run_dir / f"exports/backbone_step{step:08d}.pth", create_backbone("resnet18", "small_stride2")
-                     .state_dict(), train=digits / "train.beton", val=digits / "val.beton", step=step)
-    (run_dir / "exports/published.txt").write_text("3\n6\n9\n")
-    (run_dir / "finished.json").write_text('{"step": 9, "epoch": 1}')
+    run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6, 9))
     calls = []
 
     def evaluate_while_the_run_rotates(argv):
@@ -110,16 +117,8 @@ def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_ev
 
     from eval.__main__ import build_parser, evaluate
     from eval.watch import watch
-    from pretrain.models import create_backbone
-    from tests.eval_helpers import write_export
 
-    run_dir = tmp_path / "run"
-    for step in (3, 6):
-        torch.manual_seed(step)
-        write_export(run_dir / f"exports/backbone_step{step:08d}.pth", create_backbone("resnet18", "small_stride2")
-                     .state_dict(), train=digits / "train.beton", val=digits / "val.beton", step=step)
-    (run_dir / "exports/published.txt").write_text("3\n6\n")
-    (run_dir / "finished.json").write_text('{"step": 6, "epoch": 1}')
+    run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6))
     evaluated = []
 
     def evaluate_then_warned(argv):
