@@ -9,7 +9,9 @@ fine-tuning and detection of `python -m transfer`) records its result as
                                                    its TensorBoard scalars at the export's step, next to the
                                                    training curves, in an event file of their own
 
-`name` is the protocol (`knn`, `linear`, `finetune_10pct_export`, `detection_random`, ...). A result is written
+`name` is the protocol (`knn`, `linear`, `finetune_10pct_export`, `detection_random`, ...), followed, for an export
+evaluated on other data than its run's own (`--train` / `--val`), by `_on_{val set}_{6 hex digits}`
+(`data_suffix`), so that such a result never replaces the run's own. A result is written
 again (a re-run, or an attempt that crashed before its JSON) without duplicating its scalars in TensorBoard:
 the event file named after the result is replaced, not added to.
 
@@ -17,7 +19,9 @@ This module imports nothing of the project but `pretrain.atomic_write`, and Tens
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,11 +101,24 @@ def write_scalars(log_dir: Path, stem: str, step: int, scalars: Mapping[str, flo
 class EvaluatedExport(Protocol):
     """What `write_results` reads of its `inputs` (eval's EvaluationInputs, transfer's FinetuneInputs)."""
 
-    export: Any           # eval.features.BackboneExport: .step, .epoch, .arch
+    export: Any           # eval.features.BackboneExport: .step, .epoch, .arch, .config
     checkpoint: Path      # the export file evaluated
     out_dir: Path         # RUN_DIR
     train_path: Path
     val_path: Path
+
+
+def data_suffix(config: Mapping[str, Any] | None, train_path: Path, val_path: Path) -> str:
+    """"" when the export is evaluated on its run's own data (its config's data.train and data.val); else
+    `_on_{val set}_{6 hex digits}`: the val set's folder and file name, and a digest of both paths (two val sets
+    of one name, or another training set, get other digits)."""
+    data = (config or {}).get("data", {}) or {}
+    evaluated = [Path(train_path).resolve(), Path(val_path).resolve()]
+    if evaluated == [Path(data[split]).resolve() if data.get(split) else None for split in ("train", "val")]:
+        return ""
+    digest = hashlib.sha256("\n".join(map(str, evaluated)).encode()).hexdigest()[:6]
+    val_name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{evaluated[1].parent.name}-{evaluated[1].stem}").strip("-")
+    return f"_on_{val_name}_{digest}"
 
 
 def write_results(inputs: EvaluatedExport, protocol: str, top1: dict[str, float] | float,
@@ -109,10 +126,15 @@ def write_results(inputs: EvaluatedExport, protocol: str, top1: dict[str, float]
     """Write the result of `protocol` on `inputs.export`: the TensorBoard `scalars` at the export's step, then
     INPUTS.OUT_DIR/eval/{protocol}_step{step:07d}.json (see `write_result`); returns the JSON's path.
 
+    On other data than the run's own (`data_suffix`), the result is {protocol}_on_{val set}_{digits} and its
+    scalars are under `eval_on_{val set}_{digits}/` instead of `eval/`: the run's own result and curve stay.
     The JSON holds protocol, step, epoch, checkpoint, arch, top1, train, val, then `details`.
     """
     export = inputs.export
+    suffix = data_suffix(export.config, inputs.train_path, inputs.val_path)
     result = {"protocol": protocol, "step": export.step, "epoch": export.epoch,
               "checkpoint": str(inputs.checkpoint), "arch": export.arch, "top1": top1,
               "train": str(inputs.train_path), "val": str(inputs.val_path), **details}
-    return write_result(inputs.out_dir, protocol, export.step, result, scalars)
+    if suffix:
+        scalars = {re.sub(r"^eval/", f"eval{suffix}/", tag): value for tag, value in scalars.items()}
+    return write_result(inputs.out_dir, protocol + suffix, export.step, result, scalars)

@@ -254,6 +254,24 @@ def test_cli_linear_and_knn_on_in_memory_loader_write_json_tensorboard_and_cache
     printed = capsys.readouterr().out
     assert "weighted k-NN" in printed and "linear probe" in printed
 
+    # The same export on other data (--val): a result and a TensorBoard section of its own; the run's stay as they
+    # were. Naming the run's own data explicitly is the run's own result.
+    (tmp_path / "other").mkdir()
+    splits["other"] = planted_image_dataset(40, 2)
+    own = (run / "eval" / "knn_step0000120.json").read_text()
+    assert main(["knn", "--run", str(run), "--val", str(tmp_path / "other"), "--ks", "5", "--device", "cpu"]) == 0
+    [other] = (run / "eval").glob("knn_on_*_step0000120.json")
+    assert other.name.startswith(f"knn_on_{tmp_path.name}-other_")
+    assert (run / "eval" / "knn_step0000120.json").read_text() == own
+    assert json.loads(other.read_text())["val"] == str(tmp_path / "other")
+    section = "eval" + other.name.removeprefix("knn").removesuffix("_step0000120.json")
+    scalars = read_scalars(run / "tb")
+    assert scalars["eval/knn_top1_k20"] == [(120, pytest.approx(knn["top1"]["20"]))]
+    assert scalars[f"{section}/knn_top1_k5"] == [(120, pytest.approx(json.loads(other.read_text())["top1"]["5"]))]
+    assert main(["knn", "--run", str(run), "--val", str(tmp_path / "val"), "--ks", "5", "--device", "cpu"]) == 0
+    assert json.loads((run / "eval" / "knn_step0000120.json").read_text())["top1"] == {"5": knn["top1"]["5"]}
+    assert len(list((run / "eval").glob("knn_*step0000120.json"))) == 2
+
 
 class InMemoryViewLoader:
     """Stand-in for the pretraining view loader: one noisy copy of every image per epoch, as a ViewBatch."""

@@ -105,6 +105,7 @@ def test_self_supervised_pretraining_on_unlabeled_images_evaluated_on_a_labelled
     assert "has no labels" in refused.stderr and "--train" in refused.stderr
     scored = forked_runs.run("eval", ["knn", "--run", str(run_dir), "--train", str(digits / "train.beton"),
                                       "--ks", "20"])
-    result = json.loads(next((run_dir / "eval").glob("knn_step*.json")).read_text())
+    # Evaluated on other training data than the run's: a result of its own name, beside the run's.
+    result = json.loads(next((run_dir / "eval").glob(f"knn_on_{digits.name}-val_*_step*.json")).read_text())
     assert "top-1" in scored.stdout and result["num_train"] == len(train_indices) and result["num_val"] == 360
     assert result["top1"]["20"] > 0.5                                            # 10 classes: chance is 0.1
