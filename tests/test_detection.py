@@ -299,6 +299,16 @@ def test_tiny_detection_run_writes_cocoeval_results_and_tensorboard(tmp_path, ti
         assert cap == result["config"]["model"]["box_detections_per_img"]
         assert max(Counter(d["image_id"] for d in detections).values(), default=0) <= cap
 
+    # A re-run of a finished detection run evaluates again without training: no TensorBoard point is duplicated,
+    # neither the result's nor the training curves'.
+    assert main(["detection", "--run", str(run_dir), *tiny]) == 0
+    assert "step 1/3" not in capsys.readouterr().err
+    again = read_scalars(run_dir / "tb")
+    assert again["eval/detection_map"] == scalars["eval/detection_map"]
+    curves = read_scalars(run_dir / "detection" / "detection_export_step0000042" / "tb")
+    assert curves and all(len({step for step, _ in points}) == len(points) == 3 for tag, points in curves.items()
+                          if tag.startswith("train/")), curves
+
 
 def test_bad_inputs_are_refused_in_one_line_with_status_2(tmp_path, tiny_scenes, capsys):
     data = [f"data.root={tiny_scenes['root']}", *(f"data.{k}={v}" for k, v in TINY_SET.items())]
