@@ -7,15 +7,18 @@ that imported torch, DeepSpeed, timm and FFCV once, so that a test's run starts 
 
 Each run is a process of its own (multiprocessing's forkserver: the server only imported modules, it never
 ran a thread pool, so forking it is safe), with this test process's environment and working directory at the
-time of the call, its stdout and stderr captured in files; it executes the module's `main(argv)` exactly as
+time of the call, its stdout and stderr captured in files (in one temporary folder per test session, removed when
+the session ends); it executes the module's `main(argv)` exactly as
 `python -m MODULE ARGV` does and exits with its status. Runs that need a launcher (torchrun) or a fresh
 interpreter on purpose still use subprocess.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +35,19 @@ def project_command(command: list[str]) -> tuple[str, list[str]] | None:
     if len(command) >= 3 and command[:2] == [sys.executable, "-m"] and command[2] in MODULES:
         return command[2], [str(part) for part in command[3:]]
     return None
+
+
 _context = None
+_output_root: str | None = None     # the session's folder of captured outputs
+
+
+def output_folder() -> str:
+    """A new folder for one run's stdout and stderr, inside the session's folder (removed at exit)."""
+    global _output_root
+    if _output_root is None:
+        _output_root = tempfile.mkdtemp(prefix="forked_runs_")
+        atexit.register(shutil.rmtree, _output_root, ignore_errors=True)
+    return tempfile.mkdtemp(dir=_output_root)
 
 
 def context():
@@ -75,7 +90,7 @@ class ForkedRun:
     `stderr` (text)."""
 
     def __init__(self, module: str, argv: list[str], env: dict | None = None):
-        self.folder = tempfile.mkdtemp(prefix="forked_run_")
+        self.folder = output_folder()
         self.stdout_path, self.stderr_path = f"{self.folder}/stdout", f"{self.folder}/stderr"
         self.process = context().Process(target=_main, args=(module, [str(a) for a in argv],
                                                              {**os.environ, **(env or {})}, os.getcwd(),
