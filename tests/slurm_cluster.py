@@ -7,7 +7,8 @@ Everything the cluster writes (config, state, spool, logs, pid files) lives unde
 daemons are stopped by their pid files when the block ends. The configuration follows
 ../shared/ENVIRONMENT.md ("A real Slurm on one machine"), plus what the launcher relies on:
 `SlurmctldParameters=preempt_send_user_signal` (preemption delivers the job's --signal, USR2, as a
-cluster must be configured for a preempted job to checkpoint), and short timers so that requeued jobs
+cluster must be configured for a preempted job to checkpoint), `KillOnBadExit=1` (a rank that exits non-zero ends
+its step: the launcher's rank 0 must requeue before the others exit), and short timers so that requeued jobs
 start again within seconds.
 """
 from __future__ import annotations
@@ -77,6 +78,11 @@ class SlurmCluster:
             # Short timers: a test waits seconds, not minutes, for a requeued job to start again.
             "SchedulerParameters=defer_batch,sched_interval=2", "MinJobAge=300", "KillWait=20",
             "MessageTimeout=20", "InactiveLimit=0",
+            # As many clusters do: a task that exits non-zero ends its whole step at once (srun --kill-on-bad-exit),
+            # so a job's rank 0 must have requeued it before any other rank exits.
+            "KillOnBadExit=1",
+            # `cpus` may exceed the machine's cores (jobs that mostly wait, run side by side): trust this file.
+            "SlurmdParameters=config_overrides",
             f"NodeName={self.host} CPUs={self.cpus} RealMemory={memory} State=UNKNOWN",
             f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
             ""]))
