@@ -104,11 +104,14 @@ def worker(out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("distributed_equality")
-    for processes in (1, 2):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-                   "-m", "tests.test_distributed_equality", str(out)]
-        finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-        assert finished.returncode == 0, finished.stderr[-4000:]
+    # The one-process and the two-process run side by side (one thread per process; torchrun's --standalone
+    # rendezvous takes a free port each).
+    runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              str(processes), "-m", "tests.test_distributed_equality", str(out)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for processes in (1, 2)]
+    for run in runs:
+        _, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, stderr[-4000:]
     return {world: torch.load(out / f"world{world}.pt", weights_only=False) for world in (1, 2)}
 
 

@@ -6,8 +6,9 @@
   exactly the step of a plain-torch reference: the mean gradient of the two micro-batches, clipped to the
   global norm, times the lr; the selection forward ran at 8 px and the training forward at 16 px.
 
-Run as a module (`python -m tests.test_engine_step OUT_DIR`), this file is the worker: one process, its own
-process group, results in OUT_DIR/results.json.
+Run as a module (`python -m tests.test_engine_step OUT_DIR PART`), this file is the worker: one process with one
+thread and its own process group, results in OUT_DIR/results{PART}.json. The tests start its two parts side by
+side (half of the methods each, the second also the ZeRO-3 and clipping steps), one per core.
 """
 import copy
 import json
@@ -26,8 +27,8 @@ from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT
 pytestmark = pytest.mark.slow          # one worker process: DeepSpeed steps of every method under every ZeRO stage
 
 
-def bf16_runs_for_every_method_and_stage() -> dict:
-    """Per (config, stage): fp32 and bf16 first losses from the same weights and batch, and after two bf16
+def bf16_runs_for_every_method_and_stage(configs: list[str]) -> dict:
+    """Per (config, stage) of `configs`: fp32 and bf16 first losses from the same weights and batch, and after two bf16
     steps whether the loss stayed finite, the weights moved and stayed fp32."""
     import deepspeed
 
@@ -39,7 +40,7 @@ def bf16_runs_for_every_method_and_stage() -> dict:
     from pretrain.task import BatchPosition
 
     results = {}
-    for config in METHOD_CONFIGS:
+    for config in configs:
         for stage in (0, 2, 3):
             extra = ["method.out_dim=64", *DINO_MULTI_CROP] if config.startswith("dino") else []
             cfg = load_config(CONFIGS / config, [*TINY, *extra, f"engine.zero_stage={stage}", "optim.name=adamw",
@@ -167,24 +168,33 @@ def clipping_as_configured() -> dict:
     return results
 
 
-def worker(out_dir: Path) -> None:
+PARTS = 2
+
+
+def worker(out_dir: Path, part: int) -> None:
     from pretrain.distributed import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)
-    results = {"bf16": bf16_runs_for_every_method_and_stage(),
-               "zero3": zero3_accumulation_clipping_low_resolution_selection(),
-               "clipping": clipping_as_configured()}
-    (out_dir / "results.json").write_text(json.dumps(results))
+    results = {"bf16": bf16_runs_for_every_method_and_stage(METHOD_CONFIGS[part::PARTS])}
+    if part == PARTS - 1:
+        results.update(zero3=zero3_accumulation_clipping_low_resolution_selection(), clipping=clipping_as_configured())
+    (out_dir / f"results{part}.json").write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("engine_step")
-    finished = subprocess.run([sys.executable, "-m", "tests.test_engine_step", str(out)], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600, check=False)
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_engine_step", str(out), str(part)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in range(PARTS)]
+    merged = {"bf16": {}}
+    for part, process in enumerate(workers):
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-4000:]
+        results = json.loads((out / f"results{part}.json").read_text())
+        merged["bf16"].update(results.pop("bf16"))
+        merged.update(results)
+    return merged
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -221,4 +231,4 @@ def test_grad_clip_0_applies_the_whole_gradient_and_0_5_clips_to_0_5(results, st
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    worker(Path(sys.argv[1]), int(sys.argv[2]))

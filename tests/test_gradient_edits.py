@@ -8,8 +8,9 @@
   gradients are dropped (DINO's `cancel_gradients_last_layer`) -- not a step that carries moments of the frozen
   steps. Every stage ends with the same weights.
 
-Run as a module (`python -m tests.test_gradient_edits OUT_DIR`), this file is the worker: one process, its own
-process group, results in OUT_DIR/results.json.
+Run as a module (`python -m tests.test_gradient_edits OUT_DIR PART`), this file is the worker: one process with one
+thread and its own process group, results in OUT_DIR/PART.json; the tests start both parts (clipping, frozen)
+side by side.
 """
 import json
 import subprocess
@@ -103,22 +104,27 @@ def frozen_last_layer() -> dict:
     return results
 
 
-def worker(out_dir: Path) -> None:
+PARTS = {"clipping": "per_parameter_clipping", "frozen": "frozen_last_layer"}
+
+
+def worker(out_dir: Path, part: str) -> None:
     from pretrain.distributed import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)
-    results = {"clipping": per_parameter_clipping(), "frozen": frozen_last_layer()}
-    (out_dir / "results.json").write_text(json.dumps(results))
+    (out_dir / f"{part}.json").write_text(json.dumps(globals()[PARTS[part]]()))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
+    """Both parts side by side, one process (and one thread) each."""
     out = tmp_path_factory.mktemp("gradient_edits")
-    finished = subprocess.run([sys.executable, "-m", "tests.test_gradient_edits", str(out)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600, check=False)
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    workers = {part: subprocess.Popen([sys.executable, "-m", "tests.test_gradient_edits", str(out), part], cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in PARTS}
+    for process in workers.values():
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-4000:]
+    return {part: json.loads((out / f"{part}.json").read_text()) for part in PARTS}
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -146,4 +152,4 @@ def test_every_zero_stage_ends_with_the_same_weights(results):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    worker(Path(sys.argv[1]), sys.argv[2])
