@@ -7,8 +7,8 @@ which first installs slurm-wlm and munge with apt-get where they are missing):
   schedule's value;
 - a USR2 from Slurm (what a preemption delivers, and submitit's --signal before the time limit) to three jobs side
   by side: a pretraining long before its time limit is preempted, requeued though no time-limit requeue is
-  left, and resumes where it stopped; its checkpoint-watching evaluation and a fine-tuning job, each at its time
-  limit, requeue too: the watcher evaluates every export exactly once, the fine-tuning resumes at its own
+  left, and resumes where it stopped; its checkpoint-watching evaluation and a fine-tuning job, each stopped as
+  at its time limit, requeue too: the watcher evaluates every export exactly once, the fine-tuning resumes at its own
   checkpoint and logs every step once;
 - a sweep of two runs is one job array, and `launch status` reads both;
 - a pipeline's final evaluation starts only after pretraining succeeded (and never when it failed: Slurm cancels
@@ -169,14 +169,16 @@ def test_a_preemption_and_the_time_limits_of_a_watcher_and_a_fine_tuning_each_re
     [watcher] = submitted(launch("eval-watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "1",
                                  *SLURM, "--time", "1", "--signal-delay-s", "5").stdout)
     [finetuning] = submitted(launch("finetune", "--run", str(finetuned), "--config", str(FINETUNE_CONFIG),
-                                    "optim.epochs=6", "engine.print_every_steps=1", *SLURM, "--time", "1",
+                                    "optim.epochs=6", "engine.print_every_steps=1", *SLURM, "--time", "2",
                                     "--signal-delay-s", "5", "--max-requeues", "1").stdout)
     finetune_metrics = lambda: [json.loads(line) for path in finetuned.glob("finetune/*/metrics.jsonl")  # noqa: E731
                                 for line in path.read_text().splitlines()]
 
     # Each job stopped once, mid-work, as soon as it is there: pretraining after a few steps (minutes before its
-    # 15-minute limit: a preemption), the watcher after its first evaluation, the fine-tuning after a few steps (a
-    # 1-minute limit: any stop is the time limit).
+    # 15-minute limit: a preemption), the watcher after its first evaluation, the fine-tuning after a few steps. A
+    # stop in the watcher's and the fine-tuning's first 10 minutes counts as their time limit (1 and 2 minutes:
+    # submitit's rule, min(80%, all but 10 minutes)); the watcher may meet its real one too while it waits. The
+    # fine-tuning's 2 minutes leave its resumed allocation room on a busy machine.
     ready = {pretraining: lambda: any(line["step"] >= 4 for line in logged(run_dir)),
              watcher: lambda: (run_dir / "eval/knn_step0000010.json").is_file(),
              finetuning: lambda: any(line["step"] >= 3 for line in finetune_metrics())}
