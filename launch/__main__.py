@@ -7,6 +7,8 @@
   pipeline     pretraining, the checkpoint-watching evaluation and the final evaluations: with job
                dependencies on Slurm, in order in one job locally
   status       job state, step and latest evaluation of a run, or of every run of a sweep, as a table
+  hpo-replay   hyper-parameter searches (the balance paper's coordinate descent, Optuna's random, TPE, CMA-ES)
+               replayed on a measured grid: AUC@10, AUC@20, n-95 and the mean best-so-far curves
 
 Each command prints the job id, its log files and the run directory; every job submitted for a run is
 recorded in RUN_DIR/jobs.jsonl (what `status` reads). Where a job runs comes from --preset (a YAML file of
@@ -323,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
                                              "or a folder of runs): job, state, step, latest evaluation.")
     status.add_argument("dir", metavar="DIR")
     status.set_defaults(handler=command_status)
+
+    from launch import hpo_replay
+    replay = commands.add_parser("hpo-replay", help="searches replayed on a measured grid (the paper's Table 1-2)",
+                                 description=hpo_replay.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hpo_replay.add_arguments(replay)
+    replay.set_defaults(handler=hpo_replay.run_replay)
     return parser
 
 
