@@ -102,6 +102,17 @@ def test_cli_reports_a_missing_folder_and_has_help(tmp_path):
     assert helped.returncode == 0 and "--max-side" in helped.stdout
 
 
+@pytest.mark.parametrize("command", ["write-digits", "write-fashion-mnist"])
+def test_an_out_dir_that_is_a_file_is_refused_in_one_line(tmp_path, capsys, command):
+    from pretrain.data.__main__ import main
+
+    (tmp_path / "a_file").write_text("x")
+    assert main([command, "--out-dir", str(tmp_path / "a_file")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.splitlines() == [error] and f"--out-dir {tmp_path / 'a_file'} is a file" in error
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
 def write_cli(*args: str, timeout: int = 120):
     """`python -m pretrain.data write ARGS`, forked from a server that imported torch (tests/forked_runs.py)."""
     from tests import forked_runs

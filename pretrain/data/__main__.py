@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pretrain.data.fashion_mnist import FASHION_MNIST_DIR
 from pretrain.data.writer import DEFAULT_MAX_SIDE
@@ -92,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         print(report.summary())
-    elif args.command == "write-digits":
+        return 0
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        print(f"error: --out-dir {args.out_dir} is a file; the .beton files are written into a folder: pass a folder "
+              "(it is created when missing)", file=sys.stderr)
+        return 2
+    if args.command == "write-digits":
         from pretrain.data.digits import write_digits
 
         print_reports(write_digits(args.out_dir, force=args.force, write_mode=args.write_mode, workers=args.workers,
