@@ -105,12 +105,14 @@ def test_every_time_limit_form_means_what_slurm_makes_of_it_on_a_real_slurm_clus
 def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step_on_a_real_slurm_cluster(
         cluster, digits, tmp_path):
     run_dir = tmp_path / "run"
-    # The time-limit warning 20 s into the 1-minute allocation (Slurm sends it within a second of that), when this
-    # machine has taken about a third of the 80 steps: the first allocation can never finish the run.
-    stop = 80
+    # The time-limit warning 40 s into each 1-minute allocation (Slurm sends it within a second of that). The
+    # first allocation cannot finish the 150 steps by then (on this machine they take 55 s with the start-up); a
+    # later one has 40 s for what is left. (Every allocation gets the warning at the same point: one that
+    # came much earlier would leave a resumed allocation no time for a step after its start-up.)
+    stop = 150
     result = launch("pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
                     f"engine.max_steps={stop}", "engine.checkpoint_every_steps=1000", "optim.warmup_epochs=0.5",
-                    *SLURM, "--tasks-per-node", "2", "--time", "1", "--signal-delay-s", "40", "--max-requeues", "6")
+                    *SLURM, "--tasks-per-node", "2", "--time", "1", "--signal-delay-s", "20", "--max-requeues", "6")
     [job] = submitted(result.stdout)
     assert str(run_dir) in result.stdout and f"{job}_0_log.out" in result.stdout
 
