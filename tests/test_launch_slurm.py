@@ -5,11 +5,6 @@ which first installs slurm-wlm and munge with apt-get where they are missing):
   itself and resumes at exactly that step; `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) makes it
   resume from its newest complete checkpoint; it finishes with each step logged once and every lr the
   schedule's value;
-- a USR2 from Slurm (what a preemption delivers, and submitit's --signal before the time limit) to three jobs side
-  by side: a pretraining long before its time limit is preempted, requeued though no time-limit requeue is
-  left, and resumes where it stopped; its checkpoint-watching evaluation and a fine-tuning job, each stopped as
-  at its time limit, requeue too: the watcher evaluates every export exactly once, the fine-tuning resumes at its own
-  checkpoint and logs every step once;
 - a sweep of two runs is one job array, and `launch status` reads both;
 - a pipeline's final evaluation starts only after pretraining succeeded (and never when it failed: Slurm cancels
   it, and the watcher stops by itself);
@@ -25,9 +20,7 @@ import pytest
 
 from tests import forked_runs
 from tests.run_helpers import hand_computed_lr
-from pretrain.checkpoint import published_export_steps
 from tests.slurm_cluster import SlurmCluster
-from tests.test_finetune import CONFIG as FINETUNE_CONFIG, write_export
 
 pytestmark = pytest.mark.slurm         # starts a real Slurm cluster on this machine (tests/slurm_cluster.py)
 
@@ -40,9 +33,7 @@ SLURM = ["--cluster", "slurm", "--cpus-per-task", "1"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    # 4 one-core slots on this 2-core machine: the stop-signal test runs three jobs side by side, one of which (the
-    # watcher) mostly sleeps.
-    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=4) as running:
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
         yield running
 
 
@@ -147,76 +138,6 @@ def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step_o
     # For the README: seconds from the last step before the time-limit stop to the first step after it.
     times = {line["step"]: line["time"] for line in lines}
     print(f"time-limit requeue: stopped after step {saved}; training again {times[saved + 1] - times[saved]:.1f} s later")
-
-
-def stop_with_usr2(job: str) -> None:
-    """Slurm's USR2 to every task of the job, as a preemption (preempt_send_user_signal) or the time-limit warning
-    of submitit's --signal delivers it."""
-    subprocess.run(["scancel", "--signal", "USR2", job], check=True)
-
-
-def job_log(run_dir: Path, job: str, stream: str = "out") -> str:
-    path = run_dir / "jobs" / f"{job}_0_log.{stream}"
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
-def test_a_preemption_and_the_time_limits_of_a_watcher_and_a_fine_tuning_each_requeue_on_a_real_slurm_cluster(
-        cluster, digits, tmp_path):
-    run_dir, finetuned = tmp_path / "run", tmp_path / "finetuned"
-    write_export(finetuned, digits)                         # a backbone to fine-tune (random: the job is the test)
-    steps, export_steps = 30, [10, 20, 30]
-    [pretraining] = submitted(launch(
-        "pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}", f"engine.max_steps={steps}",
-        "engine.checkpoint_every_steps=10", *SLURM, "--time", "15", "--max-requeues", "0").stdout)
-    [watcher] = submitted(launch("eval-watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "1",
-                                 *SLURM, "--time", "1", "--signal-delay-s", "5").stdout)
-    [finetuning] = submitted(launch("finetune", "--run", str(finetuned), "--config", str(FINETUNE_CONFIG),
-                                    "optim.epochs=6", "engine.print_every_steps=1", *SLURM, "--time", "2",
-                                    "--signal-delay-s", "5", "--max-requeues", "1").stdout)
-    finetune_metrics = lambda: [json.loads(line) for path in finetuned.glob("finetune/*/metrics.jsonl")  # noqa: E731
-                                for line in path.read_text().splitlines()]
-
-    # Each job stopped once, mid-work, as soon as it is there: pretraining after a few steps (minutes before its
-    # 15-minute limit: a preemption), the watcher after its first evaluation, the fine-tuning after a few steps. A
-    # stop in the watcher's and the fine-tuning's first 10 minutes counts as their time limit (1 and 2 minutes:
-    # submitit's rule, min(80%, all but 10 minutes)); the watcher may meet its real one too while it waits. The
-    # fine-tuning's 2 minutes leave its resumed allocation room on a busy machine.
-    ready = {pretraining: lambda: any(line["step"] >= 4 for line in logged(run_dir)),
-             watcher: lambda: (run_dir / "eval/knn_step0000010.json").is_file(),
-             finetuning: lambda: any(line["step"] >= 3 for line in finetune_metrics())}
-
-    def stop_the_ready_ones() -> bool:
-        for job in [job for job, condition in ready.items() if condition()]:
-            stop_with_usr2(job)
-            del ready[job]
-        return not ready
-
-    wait_until(stop_the_ready_ones, "each job's stop")
-
-    # 3. The preemption is requeued though --max-requeues 0 allows no time-limit requeue, and is not counted.
-    wait_until(lambda: (run_dir / "finished.json").is_file(), "the end of the pretraining")
-    assert "preempted: checkpoint of step" in job_log(run_dir, pretraining, "err")
-    assert "not requeued" not in job_log(run_dir, pretraining, "err")
-    assert not (run_dir / "jobs" / f"{pretraining}.timeouts").exists() and cluster.restart_count(pretraining) >= 1
-    assert [line["step"] for line in logged(run_dir)] == list(range(1, steps + 1))       # each step once
-    # 2. The watcher at its time limit: requeued, and every export evaluated exactly once over its two allocations.
-    wait_until(lambda: cluster.job_state(watcher) == "COMPLETED", "the watcher's end")
-    assert f"requeueing job {watcher}" in job_log(run_dir, watcher, "err")
-    # (an evaluation the stop cut short is started again: each is completed, its result written, once)
-    exports = published_export_steps(run_dir)              # every 10 steps, and the preemption's checkpoint
-    assert set(export_steps) < set(exports)
-    evaluated = re.findall(r"results: \S+/knn_step(\d+)\.json", job_log(run_dir, watcher))
-    assert sorted(map(int, evaluated)) == exports, job_log(run_dir, watcher)
-    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == [
-        f"knn_step{step:07d}.json" for step in exports]
-    # 1. The fine-tuning at its time limit: its progress is its own checkpoint (RUN_DIR/finetune/...), so it is
-    # requeued, resumes there and ends with every step logged once.
-    wait_until(lambda: cluster.job_state(finetuning) == "COMPLETED", "the fine-tuning's end", timeout=300)
-    stopped = job_log(finetuned, finetuning, "err")
-    assert re.search(rf"time limit: checkpoint of step \d+ of finetune/\S+ saved; requeueing job {finetuning}", stopped)
-    finetune_steps = [line["step"] for line in finetune_metrics()]
-    assert finetune_steps == list(range(1, len(finetune_steps) + 1)) and len(finetune_steps) == 6 * 4
-    assert len(list(finetuned.glob("eval/finetune_10pct_export_step*.json"))) == 1
 
 
 def test_a_sweep_is_one_job_array_and_status_reads_every_run_on_a_real_slurm_cluster(cluster, digits, tmp_path):
