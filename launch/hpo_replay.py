@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.coordinate_descent import area_under_curve, best_so_far, coordinate_descent, trials_to_reach
+from launch.coordinate_descent import (PAPER_DIRECTIONS, area_under_curve, best_so_far, coordinate_descent,
+                                       trials_to_reach)
 
 OPTUNA_SAMPLERS = ("random", "tpe", "cmaes")
 METHODS = ("cd", *OPTUNA_SAMPLERS)
@@ -95,8 +96,6 @@ def replay(grid: Grid, method: str, trajectories: int, budget: int, seed: int = 
 
 
 def default_directions(dimensions: int) -> np.ndarray:
-    from launch.coordinate_descent import PAPER_DIRECTIONS
-
     return PAPER_DIRECTIONS[:dimensions, :dimensions] if dimensions in (2, 3) else np.eye(dimensions)
 
 
@@ -132,12 +131,12 @@ def replay_optuna(grid: Grid, sampler: str, budget: int, seed: int) -> list[floa
 def summary(curves: dict[str, np.ndarray], auc_at: tuple[int, ...] = (10, 20)) -> list[dict]:
     """Per method: AUC@k for each k, and n-95 (None: not within the budget), from its (trajectories, budget)
     objective values."""
-    means = {method: best_so_far_curves(values).mean(axis=0) for method, values in curves.items()}
+    per_method = {method: best_so_far_curves(values) for method, values in curves.items()}
+    means = {method: per_trajectory.mean(axis=0) for method, per_trajectory in per_method.items()}
     target = 0.95 * max(curve[-1] for curve in means.values())
     rows = []
-    for method, values in curves.items():
-        per_trajectory = best_so_far_curves(values)
-        row = {"method": method, "trajectories": len(values), "budget": values.shape[1]}
+    for method, per_trajectory in per_method.items():
+        row = {"method": method, "trajectories": len(per_trajectory), "budget": per_trajectory.shape[1]}
         for k in auc_at:
             row[f"auc@{k}"] = float(np.mean([area_under_curve(curve, k) for curve in per_trajectory]))
         row["n-95"] = trials_to_reach(means[method], target)
