@@ -7,6 +7,9 @@
   pipeline     pretraining, the checkpoint-watching evaluation and the final evaluations: with job
                dependencies on Slurm, in order in one job locally
   status       job state, step and latest evaluation of a run, or of every run of a sweep, as a table
+  grid         the objective (k-NN accuracy, R-mAP, ...) measured on a grid of config values, one job per point
+  hpo          a hyper-parameter search whose trials are jobs: the balance paper's coordinate descent, or Optuna's
+               random search, TPE, CMA-ES, in an Optuna study that a restarted search resumes
   hpo-replay   hyper-parameter searches (the balance paper's coordinate descent, Optuna's random, TPE, CMA-ES)
                replayed on a measured grid: AUC@10, AUC@20, n-95 and the mean best-so-far curves
 
@@ -19,45 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from launch.cluster import (ClusterOptions, LaunchError, add_cluster_arguments, build_executor, cluster_options,
-                            time_limit_minutes)
+                            record_job, report, submit, time_limit_minutes)
 from launch.jobs import StageJob, Step
 from launch.sweep import run_name, sweep_combinations
-
-
-# ============ recording and reporting submissions ============
-
-def record_job(run_dir: Path, kind: str, job, options: ClusterOptions, steps: list[Step]) -> dict:
-    """Append the submitted job to RUN_DIR/jobs.jsonl and return the entry."""
-    entry = {"kind": kind, "job_id": str(job.job_id), "cluster": options.cluster,
-             "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), "folder": str(job.paths.folder),
-             "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr),
-             "tasks": options.nodes * options.tasks, "commands": [step.describe() for step in steps]}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "jobs.jsonl", "a") as jobs:
-        jobs.write(json.dumps(entry) + "\n")
-    return entry
-
-
-def report(entry: dict, run_dir: Path) -> None:
-    print(f"submitted {entry['kind']} job {entry['job_id']} ({entry['cluster']}, {entry['tasks']} task(s))\n"
-          f"  logs:    {entry['stdout']}\n           {entry['stderr']}\n"
-          f"  run dir: {run_dir}", flush=True)
-
-
-def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step], dependency: str | None = None):
-    executor = build_executor(options, run_dir / "jobs", run_dir.name)
-    if dependency and options.cluster == "slurm":
-        # kill-on-invalid-dep: a job whose dependency can no longer be met is cancelled, not left pending
-        executor.update_parameters(dependency=dependency, additional_parameters={
-            **executor.parameters.get("additional_parameters", {}), "kill-on-invalid-dep": "yes"})
-    job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
-    entry = record_job(run_dir, kind, job, options, steps)
-    report(entry, run_dir)
-    return job
 
 
 # ============ pretrain (and sweeps) ============
@@ -326,7 +296,27 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("dir", metavar="DIR")
     status.set_defaults(handler=command_status)
 
-    from launch import hpo_replay
+    from launch import hpo, hpo_replay
+    grid = commands.add_parser("grid", help="the objective measured on a grid of config values, as a sweep of jobs",
+                               description=hpo.__doc__ + "\n`grid`: every point of the product of the --axis values "
+                               "is a trial; SEARCH_DIR/grid.json is what `hpo-replay` reads.",
+                               epilog="example:\n  python -m launch grid --config configs/pretrain/simclr_digits.yaml "
+                                      "--axis method.lambda_p=0.0625:4 --axis method.lambda_e=0.0625:4 --objective "
+                                      "knn:top1.20 --cluster local --out-dir runs/grid_simclr",
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    hpo.add_grid_arguments(grid)
+    add_cluster_arguments(grid)
+    grid.set_defaults(handler=hpo.run_grid)
+
+    search = commands.add_parser("hpo", help="a hyper-parameter search whose trials are jobs (cd, random, tpe, cmaes)",
+                                 description=hpo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="example:\n  python -m launch hpo --config configs/pretrain/simclr_digits.yaml "
+                                        "--space method.lambda_p=0.0625:4:log --space method.lambda_e=0.0625:4:log "
+                                        "--method cd --trials 20 --cluster local --out-dir runs/hpo_simclr_cd")
+    hpo.add_search_arguments(search)
+    add_cluster_arguments(search)
+    search.set_defaults(handler=hpo.run_search)
+
     replay = commands.add_parser("hpo-replay", help="searches replayed on a measured grid (the paper's Table 1-2)",
                                  description=hpo_replay.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hpo_replay.add_arguments(replay)

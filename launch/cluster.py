@@ -13,12 +13,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import re
 import shutil
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
+
+from launch.jobs import StageJob, Step
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "launch"
 
@@ -208,3 +212,35 @@ def build_executor(options: ClusterOptions, folder: Path, job_name: str):
             parameters[name] = getattr(options, name)
     executor.update_parameters(**parameters)
     return executor
+
+
+# ============ submitting a job, recorded in RUN_DIR/jobs.jsonl ============
+
+def record_job(run_dir: Path, kind: str, job, options: ClusterOptions, steps: list[Step]) -> dict:
+    """Append the submitted job to RUN_DIR/jobs.jsonl and return the entry."""
+    entry = {"kind": kind, "job_id": str(job.job_id), "cluster": options.cluster,
+             "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), "folder": str(job.paths.folder),
+             "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr),
+             "tasks": options.nodes * options.tasks, "commands": [step.describe() for step in steps]}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "jobs.jsonl", "a") as jobs:
+        jobs.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def report(entry: dict, run_dir: Path) -> None:
+    print(f"submitted {entry['kind']} job {entry['job_id']} ({entry['cluster']}, {entry['tasks']} task(s))\n"
+          f"  logs:    {entry['stdout']}\n           {entry['stderr']}\n"
+          f"  run dir: {run_dir}", flush=True)
+
+
+def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step], dependency: str | None = None):
+    executor = build_executor(options, run_dir / "jobs", run_dir.name)
+    if dependency and options.cluster == "slurm":
+        # kill-on-invalid-dep: a job whose dependency can no longer be met is cancelled, not left pending
+        executor.update_parameters(dependency=dependency, additional_parameters={
+            **executor.parameters.get("additional_parameters", {}), "kill-on-invalid-dep": "yes"})
+    job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
+    entry = record_job(run_dir, kind, job, options, steps)
+    report(entry, run_dir)
+    return job

@@ -6,6 +6,8 @@ which first installs slurm-wlm and munge with apt-get where they are missing):
   resume from its newest complete checkpoint; it finishes with each step logged once and every lr the
   schedule's value;
 - a sweep of two runs is one job array, and `launch status` reads both;
+- a grid of two points is one job array and a search runs two trials at once, each trial's value its own k-NN
+  result;
 - a pipeline's final evaluation starts only after pretraining succeeded (and never when it failed: Slurm cancels
   it, and the watcher stops by itself);
 - `--time` in every form Slurm accepts means the minutes Slurm gives the job.
@@ -156,6 +158,38 @@ def test_a_sweep_is_one_job_array_and_status_reads_every_run_on_a_real_slurm_clu
     assert [row.split()[0] for row in status[1:]] == ["tiny_lr0.1", "tiny_lr0.2"]
     for row, job in zip(status[1:], jobs):
         assert f"pretrain {job}" in row and "3 (done)" in row and "COMPLETED" in row
+
+
+def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_real_slurm_cluster(
+        cluster, digits, tmp_path):
+    trial = [*TINY, *data(digits), "engine.max_steps=3", "--objective", "knn:top1.20", *SLURM, "--time", "10",
+             "--parallel", "2"]
+    grid_dir, search_dir = tmp_path / "grid", tmp_path / "search"
+    result = launch("grid", "--config", str(CONFIG), *trial, "--axis", "method.lambda_p=0.5:1", "--axis",
+                    "method.lambda_e=1", "--out-dir", str(grid_dir), timeout=300)
+    jobs = submitted(result.stdout)
+    assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1      # array ID_0 and ID_1
+    knn = lambda run: json.loads(next((run / "eval").glob("knn_step*.json")).read_text())["top1"]["20"]  # noqa: E731
+    grid = json.loads((grid_dir / "grid.json").read_text())
+    assert grid["axes"] == [[0.5, 1.0], [1.0]] and grid["values"] == [
+        [knn(grid_dir / "trials" / "point_lambda-p0.5_lambda-e1")], [knn(grid_dir / "trials" / "point_lambda-p1_lambda-e1")]]
+
+    result = launch("hpo", "--config", str(CONFIG), *trial, "--space", "method.lambda_p=0.25:1:log", "--space",
+                    "method.lambda_e=0.25:1:log", "--method", "random", "--trials", "2", "--out-dir", str(search_dir),
+                    timeout=300)
+    first, second = submitted(result.stdout)
+    # side by side: the second trial started before the first one ended
+    assert scontrol_job(second)["StartTime"] < scontrol_job(first)["EndTime"]
+    import optuna
+
+    study = optuna.load_study(study_name="search", storage=f"sqlite:///{search_dir / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    for t in study.trials:
+        run = search_dir / "trials" / f"trial{t.number:04d}"
+        assert t.value == knn(run)
+        from pretrain.config import load_config
+        assert load_config(run / "config.yaml").method.lambda_p == pytest.approx(t.params["method.lambda_p"], rel=1e-5)
+    assert "hpo: 2/2 trials done; best" in result.stdout and (search_dir / "best_so_far.png").is_file()
 
 
 def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(cluster, digits, tmp_path):

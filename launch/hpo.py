@@ -1,0 +1,542 @@
+"""Hyper-parameter search whose trials are `launch` jobs: `python -m launch grid` measures the objective on a grid,
+`python -m launch hpo` searches (the balance paper's coordinate descent, or Optuna's random search, TPE, CMA-ES).
+
+A trial is one job (Slurm, or a local process; `--cluster` and the other cluster flags as for `launch pretrain`):
+
+    python -m pretrain --config CONFIG OVERRIDES KEY=VALUE ... run_dir=SEARCH_DIR/trials/NAME
+    python -m eval PROTOCOL --run SEARCH_DIR/trials/NAME EVAL_ARGS
+
+and its value is a field of the evaluation's JSON, `--objective PROTOCOL:FIELD` (`knn:top1.20`, the k-NN top-1 at
+k = 20; `retrieval:r_map`). At most `--parallel` trials run at once. Everything is resumable: a trial whose result
+JSON exists is read, not run; a trial whose job was killed resumes from its checkpoint when it is submitted again;
+`hpo` keeps its trials in an Optuna study (SEARCH_DIR/study.db, SQLite), so a killed search, started again with the
+same command, keeps its finished trials and goes on, and `optuna-dashboard sqlite:///SEARCH_DIR/study.db` opens it.
+
+    space = [SearchKey.parse("method.lambda_p=0.0625:4:log"), SearchKey.parse("method.lambda_e=0.0625:4:log")]
+    objective = Objective.parse("knn:top1.20")
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+from pathlib import Path
+
+import numpy as np
+
+from launch.cluster import ClusterOptions, LaunchError, submit, time_limit_minutes
+from launch.coordinate_descent import PAPER_DIRECTIONS, coordinate_descent
+from launch.jobs import Step
+from launch.sweep import run_name
+
+SEARCH_METHODS = ("cd", "random", "tpe", "cmaes")
+
+
+# ============ what is searched and what is measured ============
+
+@dataclass(frozen=True)
+class SearchKey:
+    """A config key searched between `low` and `high`, on a log scale (`log`) or a linear one."""
+
+    key: str
+    low: float
+    high: float
+    log: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "SearchKey":
+        """`KEY=LOW:HIGH` (linear) or `KEY=LOW:HIGH:log`."""
+        match = re.fullmatch(r"([A-Za-z_][\w.]*)=([^:]+):([^:]+)(?::(log|linear))?", text.strip())
+        try:
+            key, low, high, scale = match.group(1), float(match.group(2)), float(match.group(3)), match.group(4)
+        except (AttributeError, ValueError):
+            raise LaunchError(f"--space {text!r} is not KEY=LOW:HIGH[:log] (e.g. --space method.lambda_p=0.0625:4:log)"
+                              ) from None
+        log = scale == "log"
+        if not low < high or (log and low <= 0):
+            raise LaunchError(f"--space {text!r}: LOW must be below HIGH, and positive on a log scale")
+        return cls(key, low, high, log)
+
+    def to_search(self, value: float) -> float:
+        """The coordinate the search moves in: log(value) on a log scale."""
+        return math.log(value) if self.log else value
+
+    def from_search(self, coordinate: float) -> float:
+        value = math.exp(coordinate) if self.log else coordinate
+        return min(max(value, self.low), self.high)          # exp(log(x)) may leave the box by a rounding error
+
+
+@dataclass(frozen=True)
+class Objective:
+    """`PROTOCOL:FIELD`: the evaluation a trial ends with (`python -m eval PROTOCOL`) and the field of its JSON
+    (dots go into nested fields: `top1.20`) that is maximised."""
+
+    protocol: str
+    field: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Objective":
+        from eval.watch import PROTOCOLS
+
+        protocol, _, field = text.partition(":")
+        if protocol not in PROTOCOLS or not field:
+            raise LaunchError(f"--objective {text!r} is not PROTOCOL:FIELD with a protocol of {PROTOCOLS} (e.g. "
+                              "knn:top1.20, linear:top1, retrieval:r_map)")
+        return cls(protocol, field)
+
+    def read(self, run_dir: Path) -> float | None:
+        """The value in the newest RUN_DIR/eval/PROTOCOL_step*.json; None before there is one."""
+        results = sorted((run_dir / "eval").glob(f"{self.protocol}_step*.json"))
+        if not results:
+            return None
+        value = json.loads(results[-1].read_text())
+        for part in self.field.split("."):
+            if not isinstance(value, dict) or part not in value:
+                fields = sorted(value) if isinstance(value, dict) else []
+                raise LaunchError(f"--objective {self.protocol}:{self.field}: {results[-1]} has no {part!r}; its "
+                                  f"fields here: {', '.join(fields)}")
+            value = value[part]
+        return float(value)
+
+
+def config_value(config: str | None, overrides: list[str], key: str):
+    """The value of a dotted config key in the config (with overrides), to know its type and starting value."""
+    from pretrain.config import load_config
+
+    value = load_config(config, overrides)
+    for part in key.split("."):
+        if not hasattr(value, part):
+            raise LaunchError(f"{key}: the config has no such key (see pretrain/config.py)")
+        value = getattr(value, part)
+    return value
+
+
+def assignments(values: dict[str, float], integer_keys: set[str]) -> list[str]:
+    """Config overrides for one trial: `key=value`, integer keys (a batch size) rounded."""
+    return [f"{key}={round(value) if key in integer_keys else f'{value:.6g}'}" for key, value in values.items()]
+
+
+# ============ running trials as jobs ============
+
+ACTIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING",
+                 "SUSPENDED")
+
+
+@dataclass
+class SubmittedBefore:
+    """A trial's job that a stopped search submitted and that still runs (Slurm jobs outlive the search, and so do
+    local ones): waited for, not submitted again. Its outcome is the result JSON it writes, or none."""
+
+    record: dict              # its line of RUN_DIR/jobs.jsonl
+    run_dir: Path
+
+    @property
+    def job_id(self) -> str:
+        return self.record["job_id"]
+
+    @property
+    def paths(self):
+        return argparse.Namespace(stderr=self.record.get("stderr"))
+
+    def done(self) -> bool:
+        from launch.status import job_state
+
+        return job_state(self.record, self.run_dir) not in ACTIVE_STATES
+
+    def exception(self) -> None:
+        return None
+
+
+def still_running(run_dir: Path) -> SubmittedBefore | None:
+    """The trial's last job, when it is still pending or running."""
+    from launch.status import job_state, latest_job_of_each_stage
+
+    for record in latest_job_of_each_stage(run_dir):
+        if record["kind"] == "trial" and job_state(record, run_dir) in ACTIVE_STATES:
+            return SubmittedBefore(record, run_dir)
+    return None
+
+@dataclass
+class TrialJobs:
+    """Runs trials as launch jobs, at most `parallel` at once, each in SEARCH_DIR/trials/NAME."""
+
+    options: ClusterOptions
+    search_dir: Path
+    config: str | None
+    overrides: list[str]
+    objective: Objective
+    eval_args: list[str]
+    parallel: int = 1
+    poll_seconds: ClassVar[float] = 2.0          # how often running jobs are checked
+
+    def run_dir(self, name: str) -> Path:
+        return self.search_dir / "trials" / name
+
+    def steps(self, name: str, trial_overrides: list[str]) -> list[Step]:
+        run_dir = self.run_dir(name)
+        config = ["--config", str(Path(self.config).resolve())] if self.config else []
+        return [Step("pretrain", [*config, *self.overrides, *trial_overrides, f"name={name}", f"run_dir={run_dir}"]),
+                Step("eval", [self.objective.protocol, "--run", str(run_dir), *self.eval_args], distributed=False)]
+
+    def submit_trial(self, name: str, trial_overrides: list[str]):
+        """Submit one trial's job (a submitit job: done(), exception(), paths.stderr)."""
+        return submit(self.options, self.run_dir(name), "trial", self.steps(name, trial_overrides))
+
+    def submit_array(self, trials: list[tuple[object, str, list[str]]]) -> list:
+        """Submit trials known in advance (a grid's points) as one Slurm job array, `parallel` running at once."""
+        from launch.cluster import build_executor, record_job, report
+        from launch.jobs import StageJob
+
+        executor = build_executor(self.options, self.search_dir / "jobs", self.search_dir.name)
+        executor.update_parameters(array_parallelism=self.parallel)
+        with executor.batch():
+            jobs = [executor.submit(StageJob(self.steps(name, trial_overrides), self.options.max_requeues,
+                                             str(self.run_dir(name)), time_limit_minutes(self.options.time)))
+                    for _, name, trial_overrides in trials]
+        for (_, name, trial_overrides), job in zip(trials, jobs):
+            report(record_job(self.run_dir(name), "trial", job, self.options, self.steps(name, trial_overrides)),
+                   self.run_dir(name))
+        return jobs
+
+    def run(self, trials: Iterator[tuple[object, str, list[str]]],
+            finished: Callable[[object, float | None], None], as_array: bool = False) -> None:
+        """Run every (tag, name, overrides) the iterator yields, `parallel` at a time, calling finished(tag, value)
+        for each (value None: the job failed). The iterator is advanced only when a job slot is free, so what it
+        yields may depend on the trials finished before. `as_array`: on Slurm, submit them all at once as one job
+        array (Slurm keeps `parallel` running); locally, as without it."""
+        running: dict[object, tuple[object, Path, object]] = {}
+
+        def measured_before(tag, name) -> bool:
+            """A resumed search's trial: finished (read, not run again), or its job still running (waited for)."""
+            value = self.objective.read(self.run_dir(name))
+            if value is not None:
+                finished(tag, value)
+                return True
+            job = still_running(self.run_dir(name))
+            if job is not None:
+                print(f"trial {name}: its job {job.job_id} from before is still running; waiting for it", flush=True)
+                running[job.job_id] = (tag, self.run_dir(name), job)
+            return job is not None
+
+        if as_array and self.options.cluster == "slurm":
+            todo = [(tag, name, overrides) for tag, name, overrides in trials if not measured_before(tag, name)]
+            if todo:
+                for (tag, name, _), job in zip(todo, self.submit_array(todo)):
+                    running[job.job_id] = (tag, self.run_dir(name), job)
+            trials = iter(())
+        exhausted = False
+        while True:
+            while not exhausted and len(running) < self.parallel:
+                item = next(trials, None)
+                if item is None:
+                    exhausted = True
+                    break
+                tag, name, trial_overrides = item
+                if not measured_before(tag, name):
+                    job = self.submit_trial(name, trial_overrides)
+                    running[job.job_id] = (tag, self.run_dir(name), job)
+            if not running:
+                return
+            if not any(job.done() for *_, job in running.values()):
+                time.sleep(self.poll_seconds)
+            for job_id, (tag, run_dir, job) in list(running.items()):
+                if job.done():
+                    del running[job_id]
+                    value = self.objective.read(run_dir) if job.exception() is None else None
+                    if value is None:
+                        print(f"trial {run_dir.name} failed: see {job.paths.stderr}", flush=True)
+                    finished(tag, value)
+
+
+# ============ python -m launch grid ============
+
+def grid_axis(text: str, factor: float) -> tuple[str, list[float]]:
+    """`KEY=V1,V2,...`, or `KEY=LOW:HIGH`: LOW, LOW x factor, ... up to HIGH (the paper: steps of 2)."""
+    key, _, values = text.partition("=")
+    try:
+        if ":" in values:
+            low, high = (float(v) for v in values.split(":"))
+            count = int(math.floor(math.log(high / low) / math.log(factor) + 1e-9)) + 1
+            points = [low * factor ** i for i in range(count)]
+        else:
+            points = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        points = []
+    if not key or not points or any(p <= 0 for p in points) or sorted(set(points)) != points:
+        raise LaunchError(f"--axis {text!r} is not KEY=LOW:HIGH or KEY=V1,V2,... of positive, increasing values "
+                          "(e.g. --axis method.lambda_p=0.0625:4)")
+    return key, points
+
+
+def run_grid(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) -> int:
+    from launch.cluster import cluster_options
+    from launch.hpo_replay import Grid, format_table
+
+    options = cluster_options(args)
+    objective = Objective.parse(args.objective)
+    axes = dict(grid_axis(text, args.factor) for text in args.axis)
+    if len(axes) != len(args.axis):
+        raise LaunchError(f"--axis names a key twice: {args.axis}")
+    integer_keys = {key for key in axes if isinstance(config_value(args.config, args.overrides, key), int)}
+    search_dir = Path(args.out_dir).resolve()
+    jobs = trial_jobs(options, search_dir, args.config, args.overrides, objective, args.eval_args, args.parallel)
+    points = list(itertools.product(*(range(len(values)) for values in axes.values())))
+    values = np.full([len(v) for v in axes.values()], np.nan)
+
+    def trials():
+        for index in points:
+            point = {key: axis[i] for (key, axis), i in zip(axes.items(), index)}
+            overrides = assignments(point, integer_keys)
+            yield index, run_name("point", overrides), overrides
+
+    def finished(index, value):
+        values[index] = np.nan if value is None else value
+        print(f"grid: {int(np.sum(~np.isnan(values)))}/{values.size} points measured", flush=True)
+
+    jobs.run(trials(), finished, as_array=True)
+    metric = f"{objective.protocol} {objective.field}"
+    print(f"\n{metric} over {' x '.join(axes)}")
+    rows = [{**{key: f"{axis[i]:.6g}" for (key, axis), i in zip(axes.items(), index)},
+             "value": None if np.isnan(values[index]) else float(values[index])} for index in points]
+    print(format_table(rows, [*axes, "value"]))
+    missing = int(np.isnan(values).sum())
+    if missing:
+        print(f"{missing} of {values.size} points failed (their logs are named above); run the same command again "
+              f"to retry them: the finished points are kept")
+        return 1
+    Grid(list(axes), list(axes.values()), values, metric).save(search_dir / "grid.json")
+    print(f"grid: {search_dir / 'grid.json'}; replay searches on it: python -m launch hpo-replay --grid "
+          f"{search_dir / 'grid.json'} --out-dir DIR")
+    return 0
+
+
+# ============ python -m launch hpo ============
+
+def sampler(method: str, seed: int):
+    """Optuna's sampler, with its defaults (optuna 5.0.0: TPE multivariate with 10 random start-up trials and the
+    constant liar for parallel trials; CMA-ES from the box's centre with sigma0 = a sixth of its smallest side)."""
+    import optuna
+
+    return {"random": optuna.samplers.RandomSampler, "tpe": optuna.samplers.TPESampler,
+            "cmaes": optuna.samplers.CmaEsSampler}[method](seed=seed)
+
+
+def search_settings(args: argparse.Namespace, space: list[SearchKey]) -> dict:
+    return {"config": args.config, "overrides": args.overrides, "space": [asdict(key) for key in space],
+            "objective": args.objective, "method": args.method, "eval_args": args.eval_args, "seed": args.seed,
+            "directions": args.directions, "budgets": args.budgets, "start": args.start}
+
+
+def check_same_search(search_dir: Path, settings: dict) -> None:
+    """A search directory holds one search: started again, its settings must be the same (or it is refused,
+    naming what changed: the finished trials would mean something else)."""
+    saved_path = search_dir / "search.json"
+    if saved_path.is_file():
+        saved = json.loads(saved_path.read_text())
+        changed = [key for key in settings if saved.get(key) != settings[key]]
+        if changed:
+            raise LaunchError(f"{search_dir} holds a search with other settings ({', '.join(changed)}: "
+                              f"{', '.join(f'{saved.get(k)!r} there' for k in changed)}): pass another --out-dir, "
+                              "or the same settings to resume it")
+    search_dir.mkdir(parents=True, exist_ok=True)
+    saved_path.write_text(json.dumps(settings, indent=1) + "\n")
+
+
+def run_search(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) -> int:
+    import optuna
+
+    from launch.cluster import cluster_options
+
+    options = cluster_options(args)
+    objective = Objective.parse(args.objective)
+    space = [SearchKey.parse(text) for text in args.space]
+    if len({key.key for key in space}) != len(space):
+        raise LaunchError(f"--space names a key twice: {args.space}")
+    if args.trials < 1 or args.parallel < 1:
+        raise LaunchError(f"--trials {args.trials} and --parallel {args.parallel} must be >= 1")
+    integer_keys = {key.key for key in space if isinstance(config_value(args.config, args.overrides, key.key), int)}
+    search_dir = Path(args.out_dir).resolve()
+    check_same_search(search_dir, search_settings(args, space))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = f"sqlite:///{search_dir / 'study.db'}"
+    # A resumed search's sampler is seeded past its finished trials: it must not draw the first trials' points again.
+    resumed = len(optuna.load_study(study_name="search", storage=storage).trials) \
+        if (search_dir / "study.db").is_file() else 0
+    study = optuna.create_study(storage=storage, study_name="search", direction="maximize", load_if_exists=True,
+                                sampler=sampler("random" if args.method == "cd" else args.method, args.seed + resumed))
+    distributions = {key.key: optuna.distributions.FloatDistribution(key.low, key.high, log=key.log) for key in space}
+    jobs = trial_jobs(options, search_dir, args.config, args.overrides, objective, args.eval_args,
+                      1 if args.method == "cd" else args.parallel)
+
+    def overrides_of(params: dict) -> list[str]:
+        return assignments({key.key: params[key.key] for key in space}, integer_keys)
+
+    def finished(trial_number: int, value: float | None):
+        if value is None:
+            study.tell(trial_number, state=optuna.trial.TrialState.FAIL)
+        else:
+            study.tell(trial_number, value)
+        report_progress(study, args.trials)
+
+    unfinished = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    if unfinished:                       # a killed search: its running trials' jobs are submitted again (they resume)
+        print(f"resuming {len(unfinished)} trial(s) that were running when the search stopped", flush=True)
+        jobs.run(((t.number, f"trial{t.number:04d}", overrides_of(t.params)) for t in unfinished), finished)
+
+    if args.method == "cd":
+        run_coordinate_descent(args, space, study, distributions, jobs, overrides_of, finished)
+    else:
+        def next_trials():
+            while len(study.trials) < args.trials:
+                trial = study.ask(distributions)
+                yield trial.number, f"trial{trial.number:04d}", overrides_of(trial.params)
+        jobs.run(next_trials(), finished)
+    write_search_results(study, space, objective, search_dir, args.method)
+    return 0
+
+
+def run_coordinate_descent(args, space, study, distributions, jobs, overrides_of, finished) -> None:
+    """Algorithm 1 with each evaluation a trial of the study, in order: a resumed search walks the same path, its
+    finished trials read back from the study (the path is deterministic given the values)."""
+    import optuna
+
+    dimensions = len(space)
+    if args.directions == "paper":
+        if dimensions not in (2, 3):
+            raise LaunchError(f"--directions paper needs 2 or 3 keys (Lambda_p, Lambda_e[, batch size]), got "
+                              f"{dimensions}; use --directions identity")
+        directions = PAPER_DIRECTIONS[:dimensions, :dimensions]
+    else:
+        directions = np.eye(dimensions)
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [3] * dimensions
+    if args.start:
+        start_values = [float(v) for v in args.start.split(",")]
+    else:                                          # the config's own values, clipped into the box
+        start_values = [float(config_value(args.config, args.overrides, key.key)) for key in space]
+    if len(start_values) != dimensions or len(budgets) != dimensions:
+        raise LaunchError(f"--start {args.start!r} and --budgets {args.budgets!r} need one value per --space key "
+                          f"({dimensions})")
+    start = [key.to_search(min(max(v, key.low), key.high)) for key, v in zip(space, start_values)]
+    evaluations = itertools.count()
+
+    def evaluate(point: np.ndarray) -> float:
+        number = next(evaluations)
+        params = {key.key: key.from_search(x) for key, x in zip(space, point)}
+        trials = study.trials
+        if number < len(trials):                   # walked before this search was stopped
+            trial = trials[number]
+            if not all(math.isclose(trial.params[k], v, rel_tol=1e-9) for k, v in params.items()):
+                raise LaunchError(f"trial {number} of the study in {jobs.search_dir} was at {trial.params}, "
+                                  f"coordinate descent now asks for {params}: the study is not this search's")
+            if trial.state == optuna.trial.TrialState.COMPLETE:
+                return trial.value
+            if trial.state == optuna.trial.TrialState.FAIL:
+                return -math.inf
+        else:
+            study.enqueue_trial(params)
+            trial = study.ask(distributions)
+        value = {}
+        jobs.run(iter([(trial.number, f"trial{trial.number:04d}", overrides_of(params))]),
+                 lambda number, v: (value.setdefault("v", v), finished(number, v)))
+        return -math.inf if value["v"] is None else value["v"]   # a failed run is the worst point
+
+    coordinate_descent(evaluate, start, [k.to_search(k.low) for k in space], [k.to_search(k.high) for k in space],
+                       directions, budgets, args.trials)
+
+
+def report_progress(study, budget: int) -> None:
+    import optuna
+
+    done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)]
+    complete = [t for t in done if t.state == optuna.trial.TrialState.COMPLETE]
+    best = f"best {study.best_value:.4f} (trial {study.best_trial.number}: {format_params(study.best_params)})" \
+        if complete else "no trial finished yet"
+    print(f"hpo: {len(done)}/{budget} trials done; {best}", flush=True)
+
+
+def format_params(params: dict) -> str:
+    return ", ".join(f"{key}={value:.4g}" for key, value in params.items())
+
+
+def write_search_results(study, space: list[SearchKey], objective: Objective, search_dir: Path, method: str) -> None:
+    """The table of trials (printed and SEARCH_DIR/trials.json) and the plot of the best value against the number
+    of trials (SEARCH_DIR/best_so_far.png)."""
+    import optuna
+
+    from launch.hpo_replay import format_table
+
+    rows, best = [], -math.inf
+    for trial in sorted(study.trials, key=lambda t: t.number):
+        if trial.state not in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL):
+            continue
+        value = trial.value if trial.state == optuna.trial.TrialState.COMPLETE else None
+        best = max(best, value if value is not None else -math.inf)
+        rows.append({"trial": trial.number, **{key.key: f"{trial.params[key.key]:.4g}" for key in space},
+                     "value": value, "best so far": best if best > -math.inf else None})
+    print(f"\n{method}: {objective.protocol} {objective.field}")
+    print(format_table(rows, ["trial", *(key.key for key in space), "value", "best so far"]))
+    (search_dir / "trials.json").write_text(json.dumps(rows, indent=1) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    curve = [(i + 1, row["best so far"]) for i, row in enumerate(rows) if row["best so far"] is not None]
+    if curve:
+        axes.step(*zip(*curve), where="post", label=method)
+    axes.set_xlabel("trials")
+    axes.set_ylabel(f"best so far ({objective.protocol} {objective.field})")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(search_dir / "best_so_far.png", dpi=120)
+    plt.close(figure)
+    print(f"results: {search_dir / 'trials.json'}, {search_dir / 'best_so_far.png'}; the study: "
+          f"sqlite:///{search_dir / 'study.db'} (optuna-dashboard opens it)")
+
+
+# ============ arguments ============
+
+def add_trial_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every trial runs: the config, its overrides, the objective, the evaluation's extra arguments."""
+    parser.add_argument("--config", help="pretraining config (configs/pretrain/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides of every trial")
+    parser.add_argument("--objective", default="knn:top1.20",
+                        help="PROTOCOL:FIELD of the evaluation JSON to maximise (default: %(default)s; e.g. "
+                             "retrieval:r_map)")
+    parser.add_argument("--eval-args", default="", type=lambda text: text.split(),
+                        help="extra arguments of `python -m eval PROTOCOL` (e.g. '--split-classes')")
+    parser.add_argument("--parallel", type=int, default=1, help="trials running at once (default: %(default)s)")
+    parser.add_argument("--out-dir", required=True, help="the search's directory: trials/, results, and the study")
+
+
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    add_trial_arguments(parser)
+    parser.add_argument("--axis", action="append", required=True, metavar="KEY=LOW:HIGH",
+                        help="a grid axis: KEY=LOW:HIGH in multiplicative steps of --factor, or KEY=V1,V2,...; "
+                             "once per key")
+    parser.add_argument("--factor", type=float, default=2.0,
+                        help="the multiplicative step of KEY=LOW:HIGH axes (default: %(default)s, the paper's)")
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    add_trial_arguments(parser)
+    parser.add_argument("--space", action="append", required=True, metavar="KEY=LOW:HIGH[:log]",
+                        help="a searched key and its range, on a log scale with :log; once per key (for cd with the "
+                             "paper's directions: Lambda_p's key, then Lambda_e's[, then the batch size's])")
+    parser.add_argument("--method", choices=SEARCH_METHODS, default="cd",
+                        help="cd: the paper's coordinate descent; random, tpe, cmaes: Optuna's samplers "
+                             "(default: %(default)s)")
+    parser.add_argument("--trials", type=int, default=20, help="the search's budget of trials (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the Optuna sampler's seed (default: %(default)s)")
+    parser.add_argument("--directions", choices=("paper", "identity"), default="paper",
+                        help="cd's search directions: the paper's A (balance, joint learning rate[, batch size]) or "
+                             "the keys one at a time (default: %(default)s)")
+    parser.add_argument("--budgets", help="cd's trials per line search along each direction, e.g. 3,3 (default: 3 "
+                                          "each)")
+    parser.add_argument("--start", help="cd's starting point, one value per --space key (default: the config's values)")
