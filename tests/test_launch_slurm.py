@@ -4,7 +4,11 @@ which first installs slurm-wlm and munge with apt-get where they are missing):
 - a 2-process pretraining job hits its time limit (its warning), saves a checkpoint of the step it was taking, requeues
   itself and resumes at exactly that step; `scontrol requeue` (SIGTERM, then SIGKILL after KillWait) makes it
   resume from its newest complete checkpoint; it finishes with each step logged once and every lr the
-  schedule's value;
+  schedule's value; side by side, a USR2 from Slurm (what a preemption delivers, and submitit's --signal before
+  the time limit) to three more jobs: a pretraining long before its time limit is preempted, requeued though no
+  time-limit requeue is left, and resumes where it stopped; its checkpoint-watching evaluation and a fine-tuning
+  job, each stopped as at its time limit, requeue too: the watcher evaluates every export exactly once, the
+  fine-tuning resumes at its own checkpoint and logs every step once;
 - a sweep of two runs is one job array, and `launch status` reads both;
 - a grid of two points is one job array and a search runs two trials at once, each trial's value its own k-NN
   result;
@@ -22,7 +26,9 @@ import pytest
 
 from tests import forked_runs
 from tests.run_helpers import hand_computed_lr
+from pretrain.checkpoint import published_export_steps
 from tests.slurm_cluster import SlurmCluster
+from tests.test_finetune import CONFIG as FINETUNE_CONFIG, write_export
 
 pytestmark = pytest.mark.slurm         # starts a real Slurm cluster on this machine (tests/slurm_cluster.py)
 
@@ -35,7 +41,9 @@ SLURM = ["--cluster", "slurm", "--cpus-per-task", "1"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as running:
+    # 6 one-core slots on this 2-core machine: the stop-signal test runs four jobs (five tasks) side by side, which
+    # mostly wait for Slurm's signals and requeues.
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=6) as running:
         yield running
 
 
@@ -95,48 +103,137 @@ def test_every_time_limit_form_means_what_slurm_makes_of_it_on_a_real_slurm_clus
         subprocess.run(["scancel", submitted_job], check=False)
 
 
-def test_time_limit_requeue_then_scontrol_requeue_resume_without_losing_a_step_on_a_real_slurm_cluster(
+def stop_with_usr2(job: str) -> None:
+    """Slurm's USR2 to every task of the job, as a preemption (preempt_send_user_signal) or the time-limit warning
+    of submitit's --signal delivers it."""
+    subprocess.run(["scancel", "--signal", "USR2", job], check=True)
+
+
+def requeue(job: str) -> None:
+    """`scontrol requeue`, what an admin or a preemption with PreemptMode=REQUEUE does: SIGTERM, then SIGKILL after
+    KillWait, and the job back in the queue."""
+    subprocess.run(["scontrol", "requeue", job], check=True)
+
+
+def job_log(run_dir: Path, job: str, stream: str = "out") -> str:
+    path = run_dir / "jobs" / f"{job}_0_log.{stream}"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_real_slurm_cluster(
         cluster, digits, tmp_path):
-    run_dir = tmp_path / "run"
-    # Slurm sends the --signal warning up to 30 s earlier than asked (it checks time limits every 30 s), so each
+    """Four jobs side by side (they mostly wait for Slurm's signals and requeues, so together they take about the
+    time of the longest):
+
+    A. a 2-task pretraining meets its real time limit: SIGUSR2 before it, a checkpoint of the step it was taking, a
+       requeue, a resume at exactly that step; then `scontrol requeue` (SIGTERM): it resumes from its newest
+       complete checkpoint, and ends with each step logged once and every lr the schedule's value;
+    B. a pretraining preempted (USR2 minutes before its 15-minute limit) is requeued though --max-requeues 0 allows
+       no time-limit requeue, is not counted as one, and logs each step once;
+    C. its checkpoint-watching evaluation, stopped as at its time limit, is requeued and evaluates every export
+       exactly once over its allocations;
+    D. a fine-tuning job stopped as at its time limit requeues from its own checkpoint and logs every step once.
+    """
+    # A. Slurm sends the --signal warning up to 30 s earlier than asked (it checks time limits every 30 s), so each
     # 1-minute allocation is warned 25-55 s in, 5 s before the limit at the latest. The 170 steps take longer
     # than that on this machine (about 51 s of steps after a 7-s start-up on an idle machine: once, 150 steps
     # finished within the first allocation); later allocations share the rest, each warned the same way.
-    stop = 170
-    result = launch("pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
-                    f"engine.max_steps={stop}", "engine.checkpoint_every_steps=1000", "optim.warmup_epochs=0.5",
-                    *SLURM, "--tasks-per-node", "2", "--time", "1", "--signal-delay-s", "5", "--max-requeues", "12")
-    [job] = submitted(result.stdout)
-    assert str(run_dir) in result.stdout and f"{job}_0_log.out" in result.stdout
+    limited, stop = tmp_path / "limited", 170
+    [time_limited] = submitted(launch(
+        "pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={limited}", f"engine.max_steps={stop}",
+        "engine.checkpoint_every_steps=1000", "optim.warmup_epochs=0.5", *SLURM, "--tasks-per-node", "2",
+        "--time", "1", "--signal-delay-s", "5", "--max-requeues", "12").stdout)
+    # B, C, D
+    run_dir, finetuned = tmp_path / "run", tmp_path / "finetuned"
+    write_export(finetuned, digits)                         # a backbone to fine-tune (random: the job is the test)
+    steps, export_steps = 30, [10, 20, 30]
+    [pretraining] = submitted(launch(
+        "pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}", f"engine.max_steps={steps}",
+        "engine.checkpoint_every_steps=10", *SLURM, "--time", "15", "--max-requeues", "0").stdout)
+    [watcher] = submitted(launch("eval-watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "1",
+                                 *SLURM, "--time", "1", "--signal-delay-s", "5").stdout)
+    [finetuning] = submitted(launch("finetune", "--run", str(finetuned), "--config", str(FINETUNE_CONFIG),
+                                    "optim.epochs=6", "engine.print_every_steps=1", *SLURM, "--time", "2",
+                                    "--signal-delay-s", "5", "--max-requeues", "3").stdout)
+    finetune_metrics = lambda: [json.loads(line) for path in finetuned.glob("finetune/*/metrics.jsonl")  # noqa: E731
+                                for line in path.read_text().splitlines()]
 
-    # 1. The time limit: SIGUSR2 before it, a checkpoint of the step taken then, a requeue, a resume there.
-    wait_until(lambda: "requeueing job" in job_logs(run_dir), "the time-limit requeue")
-    saved = int(re.search(r"time limit: checkpoint of step (\d+) saved", job_logs(run_dir)).group(1))
-    assert (run_dir / f"checkpoints/step{saved:08d}/trainer_state.json").is_file()
-    wait_until(lambda: any(line["step"] > saved for line in logged(run_dir)), "training after the requeue")
-    assert f"resumed {run_dir} at step {saved} " in job_logs(run_dir)        # zero steps lost
-    assert cluster.restart_count(job) >= 1
+    def time_limit_stop() -> int | None:
+        stopped = re.search(r"time limit: checkpoint of step (\d+) saved", job_logs(limited))
+        return int(stopped.group(1)) if stopped else None
 
-    # 2. scontrol requeue (what an admin or a preemption does): SIGTERM, checkpoint, Slurm requeues the job.
-    subprocess.run(["scontrol", "requeue", job], check=True)
-    wait_until(lambda: (run_dir / "finished.json").is_file(), "the end of the run", timeout=500)
-    assert "DUE TO JOB REQUEUE" in job_logs(run_dir)
-    assert cluster.restart_count(job) >= 2
+    # Each job is stopped once, as soon as it is there: A by `scontrol requeue` once it trains again after its
+    # time-limit requeue; B after a few steps (a preemption: minutes before its limit); C after its first
+    # evaluation, D after a few steps: a stop in their first 10 minutes counts as their time limit (1 and 2
+    # minutes: submitit's rule, min(80%, all but 10 minutes)); the watcher may meet its real one too while it
+    # waits. The fine-tuning's 2 minutes leave its resumed allocation room on a busy machine.
+    ready = {time_limited: lambda: time_limit_stop() is not None and any(
+                 line["step"] > time_limit_stop() for line in logged(limited)),
+             pretraining: lambda: any(line["step"] >= 4 for line in logged(run_dir)),
+             watcher: lambda: (run_dir / "eval/knn_step0000010.json").is_file(),
+             finetuning: lambda: any(line["step"] >= 3 for line in finetune_metrics())}
+
+    saved_checkpoint = {}
+
+    def check_the_checkpoint_then_requeue(job: str) -> None:
+        # (later stops rotate the time limit's checkpoint away: it is looked at now)
+        saved_checkpoint["found"] = (limited / f"checkpoints/step{time_limit_stop():08d}/trainer_state.json").is_file()
+        requeue(job)
+
+    def stop_the_ready_ones() -> bool:
+        for job in [job for job, condition in ready.items() if condition()]:
+            (check_the_checkpoint_then_requeue if job == time_limited else stop_with_usr2)(job)
+            del ready[job]
+        return not ready
+
+    wait_until(stop_the_ready_ones, "each job's stop")
+
+    # B. The preemption is requeued though --max-requeues 0 allows no time-limit requeue, and is not counted.
+    wait_until(lambda: (run_dir / "finished.json").is_file(), "the end of the pretraining")
+    assert "preempted: checkpoint of step" in job_log(run_dir, pretraining, "err")
+    assert "not requeued" not in job_log(run_dir, pretraining, "err")
+    assert not (run_dir / "jobs" / f"{pretraining}.timeouts").exists() and cluster.restart_count(pretraining) >= 1
+    assert [line["step"] for line in logged(run_dir)] == list(range(1, steps + 1))       # each step once
+    # C. The watcher at its time limit: requeued, and every export evaluated exactly once over its allocations.
+    wait_until(lambda: cluster.job_state(watcher) == "COMPLETED", "the watcher's end")
+    assert f"requeueing job {watcher}" in job_log(run_dir, watcher, "err")
+    # (an evaluation the stop cut short is started again: each is completed, its result written, once)
+    exports = published_export_steps(run_dir)              # every 10 steps, and the preemption's checkpoint
+    assert set(export_steps) < set(exports)
+    evaluated = re.findall(r"results: \S+/knn_step(\d+)\.json", job_log(run_dir, watcher))
+    assert sorted(map(int, evaluated)) == exports, job_log(run_dir, watcher)
+    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == [
+        f"knn_step{step:07d}.json" for step in exports]
+    # D. The fine-tuning at its time limit: its progress is its own checkpoint (RUN_DIR/finetune/...), so it is
+    # requeued, resumes there and ends with every step logged once.
+    wait_until(lambda: cluster.job_state(finetuning) == "COMPLETED", "the fine-tuning's end", timeout=300)
+    stopped = job_log(finetuned, finetuning, "err")
+    assert re.search(rf"time limit: checkpoint of step \d+ of finetune/\S+ saved; requeueing job {finetuning}", stopped)
+    finetune_steps = [line["step"] for line in finetune_metrics()]
+    assert finetune_steps == list(range(1, len(finetune_steps) + 1)) and len(finetune_steps) == 6 * 4
+    assert len(list(finetuned.glob("eval/finetune_10pct_export_step*.json"))) == 1
+
+    # A. The time limit: a checkpoint of the step taken at the warning, a requeue, a resume there (zero steps lost).
+    saved = time_limit_stop()
+    assert saved_checkpoint["found"]
+    assert f"resumed {limited} at step {saved} " in job_logs(limited)
+    wait_until(lambda: (limited / "finished.json").is_file(), "the end of the time-limited run", timeout=500)
+    assert "DUE TO JOB REQUEUE" in job_logs(limited)              # the scontrol requeue's SIGTERM
+    assert cluster.restart_count(time_limited) >= 2
     # Every allocation resumed at exactly the step the one before stopped at (each stop, on USR2 at the time
     # limit or on the requeue's SIGTERM, reports its step only once its checkpoint is complete): zero steps lost.
     # Rank 0 writes "resumed" to task 0's stdout and its stop report to task 0's stderr, each in order.
-    task0 = run_dir / "jobs" / f"{job}_0_log"
+    task0 = limited / "jobs" / f"{time_limited}_0_log"
     resumes = [int(step) for step in
-               re.findall(rf"resumed {re.escape(str(run_dir))} at step (\d+) ", Path(f"{task0}.out").read_text())]
+               re.findall(rf"resumed {re.escape(str(limited))} at step (\d+) ", Path(f"{task0}.out").read_text())]
     stops = [int(step) for step in
              re.findall(r"\[rank 0\] stopped on a signal after step (\d+)", Path(f"{task0}.err").read_text())]
-    assert len(stops) >= 2 and resumes == stops, job_logs(run_dir)[-4000:]
-
-    lines = logged(run_dir)
+    assert len(stops) >= 2 and resumes == stops, job_logs(limited)[-4000:]
+    lines = logged(limited)
     assert [line["step"] for line in lines] == list(range(1, stop + 1))       # each step once, none lost
     for line in lines:
         assert line["train/lr"] == pytest.approx(hand_computed_lr(line["step"] - 1), rel=1e-9, abs=1e-12)
-    assert json.loads((run_dir / "finished.json").read_text())["step"] == stop
+    assert json.loads((limited / "finished.json").read_text())["step"] == stop
     # For the README: seconds from the last step before the time-limit stop to the first step after it.
     times = {line["step"]: line["time"] for line in lines}
     print(f"time-limit requeue: stopped after step {saved}; training again {times[saved + 1] - times[saved]:.1f} s later")
