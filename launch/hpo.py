@@ -7,10 +7,12 @@ A trial is one job (Slurm, or a local process; `--cluster` and the other cluster
     python -m eval PROTOCOL --run SEARCH_DIR/trials/NAME EVAL_ARGS
 
 and its value is a field of the evaluation's JSON, `--objective PROTOCOL:FIELD` (`knn:top1.20`, the k-NN top-1 at
-k = 20; `retrieval:r_map`). At most `--parallel` trials run at once. Everything is resumable: a trial whose result
-JSON exists is read, not run; a trial whose job was killed resumes from its checkpoint when it is submitted again;
-`hpo` keeps its trials in an Optuna study (SEARCH_DIR/study.db, SQLite), so a killed search, started again with the
-same command, keeps its finished trials and goes on, and `optuna-dashboard sqlite:///SEARCH_DIR/study.db` opens it.
+k = 20; `retrieval:r_map`). At most `--parallel` trials run at once (a grid on Slurm: one job array). Started again
+with the same command, a stopped grid or search goes on: a trial whose result JSON exists is read, not run; one whose
+job still runs (jobs outlive the command that submitted them) is waited for; one whose job was killed is submitted
+again and resumes from its checkpoint. `hpo` keeps its trials in an Optuna study (SEARCH_DIR/study.db, SQLite):
+`optuna-dashboard sqlite:///SEARCH_DIR/study.db` and Optuna's plots open it. Coordinate descent runs one trial at a
+time (each line search step depends on the one before); Optuna's samplers run `--parallel` at once.
 
     space = [SearchKey.parse("method.lambda_p=0.0625:4:log"), SearchKey.parse("method.lambda_e=0.0625:4:log")]
     objective = Objective.parse("knn:top1.20")
@@ -89,6 +91,16 @@ class Objective:
             raise LaunchError(f"--objective {text!r} is not PROTOCOL:FIELD with a protocol of {PROTOCOLS} (e.g. "
                               "knn:top1.20, linear:top1, retrieval:r_map)")
         return cls(protocol, field)
+
+    def check_arguments(self, eval_args: list[str]) -> None:
+        """Refuse extra `python -m eval PROTOCOL` arguments that eval would refuse, before any trial runs."""
+        from eval.__main__ import build_parser
+
+        try:
+            build_parser().parse_args([self.protocol, "--run", "RUN_DIR", *eval_args])
+        except SystemExit:
+            raise LaunchError(f"--eval-args {' '.join(eval_args)!r}: `python -m eval {self.protocol}` does not take "
+                              f"them (see python -m eval {self.protocol} --help)") from None
 
     def read(self, run_dir: Path) -> float | None:
         """The value in the newest RUN_DIR/eval/PROTOCOL_step*.json; None before there is one."""
@@ -280,6 +292,7 @@ def run_grid(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) 
 
     options = cluster_options(args)
     objective = Objective.parse(args.objective)
+    objective.check_arguments(args.eval_args)
     axes = dict(grid_axis(text, args.factor) for text in args.axis)
     if len(axes) != len(args.axis):
         raise LaunchError(f"--axis names a key twice: {args.axis}")
@@ -355,6 +368,7 @@ def run_search(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs
 
     options = cluster_options(args)
     objective = Objective.parse(args.objective)
+    objective.check_arguments(args.eval_args)
     space = [SearchKey.parse(text) for text in args.space]
     if len({key.key for key in space}) != len(space):
         raise LaunchError(f"--space names a key twice: {args.space}")
@@ -510,7 +524,8 @@ def add_trial_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PROTOCOL:FIELD of the evaluation JSON to maximise (default: %(default)s; e.g. "
                              "retrieval:r_map)")
     parser.add_argument("--eval-args", default="", type=lambda text: text.split(),
-                        help="extra arguments of `python -m eval PROTOCOL` (e.g. '--split-classes')")
+                        help="extra arguments of `python -m eval PROTOCOL`, as one string (e.g. "
+                             "--eval-args=--split-classes)")
     parser.add_argument("--parallel", type=int, default=1, help="trials running at once (default: %(default)s)")
     parser.add_argument("--out-dir", required=True, help="the search's directory: trials/, results, and the study")
 

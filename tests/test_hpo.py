@@ -163,6 +163,9 @@ def test_the_commands_refuse_a_bad_key_or_direction_setting_in_one_line(tmp_path
     assert main([*base, "--space", "method.lambda_p=1:2", "--space", "method.lambda_e=1:2", "--space",
                  "optim.lr=0.1:1", "--space", "optim.weight_decay=0.1:1"]) == 2
     assert "--directions paper needs 2 or 3 keys" in capsys.readouterr().err
+    assert main([*base, "--space", "method.lambda_p=1:2", "--eval-args=--split-clases"]) == 2
+    assert "--eval-args '--split-clases': `python -m eval retrieval` does not take them" in capsys.readouterr().err
+    assert not (tmp_path / "s" / "trials").exists()                          # nothing ran
 
 
 def test_a_restarted_grid_waits_for_a_trial_job_still_running_from_before_instead_of_submitting_it(tmp_path):
