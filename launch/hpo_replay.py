@@ -129,8 +129,8 @@ def replay_optuna(grid: Grid, sampler: str, budget: int, seed: int) -> list[floa
 
 
 def summary(curves: dict[str, np.ndarray], auc_at: tuple[int, ...] = (10, 20)) -> list[dict]:
-    """Per method: AUC@k for each k, and n-95 (None: not within the budget), from its (trajectories, budget)
-    objective values."""
+    """Per method: AUC@k for each k with its standard deviation over the trajectories (`auc@k sd`, n - 1), and
+    n-95 (None: not within the budget), from its (trajectories, budget) objective values."""
     per_method = {method: best_so_far_curves(values) for method, values in curves.items()}
     means = {method: per_trajectory.mean(axis=0) for method, per_trajectory in per_method.items()}
     target = 0.95 * max(curve[-1] for curve in means.values())
@@ -138,7 +138,9 @@ def summary(curves: dict[str, np.ndarray], auc_at: tuple[int, ...] = (10, 20)) -
     for method, per_trajectory in per_method.items():
         row = {"method": method, "trajectories": len(per_trajectory), "budget": per_trajectory.shape[1]}
         for k in auc_at:
-            row[f"auc@{k}"] = float(np.mean([area_under_curve(curve, k) for curve in per_trajectory]))
+            areas = [area_under_curve(curve, k) for curve in per_trajectory]
+            row[f"auc@{k}"] = float(np.mean(areas))
+            row[f"auc@{k} sd"] = float(np.std(areas, ddof=1)) if len(areas) > 1 else None
         row["n-95"] = trials_to_reach(means[method], target)
         row["final"] = float(means[method][-1])
         rows.append(row)
@@ -234,7 +236,7 @@ def run_replay(args) -> int:
         print(f"replayed {method}: {args.trajectories} searches of {args.budget} trials", flush=True)
     rows = summary(curves)
     print(f"\n{grid.metric} on the grid of {' x '.join(grid.keys)} (maximum {grid.values.max():.3f})")
-    print(format_table(rows, ["method", "auc@10", "auc@20", "n-95", "final"]))
+    print(format_table(rows, ["method", "auc@10", "auc@20", "auc@20 sd", "n-95", "final"]))
     result = {"grid": str(args.grid), "metric": grid.metric, "grid_maximum": float(grid.values.max()),
               "trajectories": args.trajectories, "budget": args.budget, "seed": args.seed, "summary": rows}
     if args.ablation:

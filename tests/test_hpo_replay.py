@@ -54,6 +54,7 @@ def test_the_summary_gives_auc_and_n95_of_each_methods_mean_curve():
     # best-so-far: a: [0.2 0.5 0.5 0.9], [0.4 0.4 0.8 0.8] -> mean [0.3 0.45 0.65 0.85]
     assert rows["a"]["auc@2"] == pytest.approx((0.35 + 0.4) / 2)
     assert rows["a"]["auc@4"] == pytest.approx((2.1 + 2.4) / 4 / 2)
+    assert rows["a"]["auc@4 sd"] == pytest.approx(np.std([2.1 / 4, 2.4 / 4], ddof=1))
     assert rows["a"]["final"] == pytest.approx(0.85) and rows["a"]["n-95"] == 4     # 0.95 x 0.85 = 0.8075
     assert rows["b"]["n-95"] is None
 
