@@ -234,7 +234,10 @@ def report(entry: dict, run_dir: Path) -> None:
           f"  run dir: {run_dir}", flush=True)
 
 
-def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step], dependency: str | None = None):
+def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step], dependency: str | None = None,
+           announce: bool = True):
+    """Submit `steps` as one job for `run_dir` (its scripts and logs in RUN_DIR/jobs), record it in
+    RUN_DIR/jobs.jsonl, and print its id, logs and run directory (`announce`; a search prints one line per trial)."""
     executor = build_executor(options, run_dir / "jobs", run_dir.name)
     if dependency and options.cluster == "slurm":
         # kill-on-invalid-dep: a job whose dependency can no longer be met is cancelled, not left pending
@@ -242,5 +245,6 @@ def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step],
             **executor.parameters.get("additional_parameters", {}), "kill-on-invalid-dep": "yes"})
     job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
     entry = record_job(run_dir, kind, job, options, steps)
-    report(entry, run_dir)
+    if announce:
+        report(entry, run_dir)
     return job

@@ -198,11 +198,13 @@ class TrialJobs:
 
     def submit_trial(self, name: str, trial_overrides: list[str]):
         """Submit one trial's job (a submitit job: done(), exception(), paths.stderr)."""
-        return submit(self.options, self.run_dir(name), "trial", self.steps(name, trial_overrides))
+        job = submit(self.options, self.run_dir(name), "trial", self.steps(name, trial_overrides), announce=False)
+        print(f"trial {name}: job {job.job_id} ({self.options.cluster}), log {job.paths.stderr}", flush=True)
+        return job
 
     def submit_array(self, trials: list[tuple[object, str, list[str]]]) -> list:
         """Submit trials known in advance (a grid's points) as one Slurm job array, `parallel` running at once."""
-        from launch.cluster import build_executor, record_job, report
+        from launch.cluster import build_executor, record_job
         from launch.jobs import StageJob
 
         executor = build_executor(self.options, self.search_dir / "jobs", self.search_dir.name)
@@ -212,8 +214,8 @@ class TrialJobs:
                                              str(self.run_dir(name)), time_limit_minutes(self.options.time)))
                     for _, name, trial_overrides in trials]
         for (_, name, trial_overrides), job in zip(trials, jobs):
-            report(record_job(self.run_dir(name), "trial", job, self.options, self.steps(name, trial_overrides)),
-                   self.run_dir(name))
+            record_job(self.run_dir(name), "trial", job, self.options, self.steps(name, trial_overrides))
+            print(f"trial {name}: job {job.job_id} (slurm array), log {job.paths.stderr}", flush=True)
         return jobs
 
     def run(self, trials: Iterator[tuple[object, str, list[str]]],
@@ -261,8 +263,9 @@ class TrialJobs:
                 if job.done():
                     del running[job_id]
                     value = self.objective.read(run_dir) if job.exception() is None else None
-                    if value is None:
-                        print(f"trial {run_dir.name} failed: see {job.paths.stderr}", flush=True)
+                    print(f"trial {run_dir.name} failed: see {job.paths.stderr}" if value is None else
+                          f"trial {run_dir.name}: {self.objective.protocol} {self.objective.field} = {value:.4f}",
+                          flush=True)
                     finished(tag, value)
 
 

@@ -61,6 +61,11 @@ def submitted(stdout: str) -> list[str]:
     return re.findall(r"submitted \S+ job (\S+)", stdout)
 
 
+def trial_jobs(stdout: str) -> list[str]:
+    """The job ids `launch grid` and `launch hpo` print, one line per trial."""
+    return re.findall(r"trial \S+: job (\S+)", stdout)
+
+
 def wait_until(condition, what: str, timeout: float = 400) -> None:
     deadline = time.time() + timeout
     while not condition():
@@ -264,7 +269,7 @@ def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_
     grid_dir, search_dir = tmp_path / "grid", tmp_path / "search"
     result = launch("grid", "--config", str(CONFIG), *trial, "--axis", "method.lambda_p=0.5:1", "--axis",
                     "method.lambda_e=1", "--out-dir", str(grid_dir), timeout=300)
-    jobs = submitted(result.stdout)
+    jobs = trial_jobs(result.stdout)
     assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1      # array ID_0 and ID_1
     knn = lambda run: json.loads(next((run / "eval").glob("knn_step*.json")).read_text())["top1"]["20"]  # noqa: E731
     grid = json.loads((grid_dir / "grid.json").read_text())
@@ -274,7 +279,7 @@ def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_
     result = launch("hpo", "--config", str(CONFIG), *trial, "--space", "method.lambda_p=0.25:1:log", "--space",
                     "method.lambda_e=0.25:1:log", "--method", "random", "--trials", "2", "--out-dir", str(search_dir),
                     timeout=300)
-    first, second = submitted(result.stdout)
+    first, second = trial_jobs(result.stdout)
     # side by side: the second trial started before the first one ended
     assert scontrol_job(second)["StartTime"] < scontrol_job(first)["EndTime"]
     import optuna
