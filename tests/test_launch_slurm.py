@@ -267,18 +267,23 @@ def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_
     trial = [*TINY, *data(digits), "engine.max_steps=3", "--objective", "knn:top1.20", *SLURM, "--time", "10",
              "--parallel", "2"]
     grid_dir, search_dir = tmp_path / "grid", tmp_path / "search"
-    result = launch("grid", "--config", str(CONFIG), *trial, "--axis", "method.lambda_p=0.5:1", "--axis",
-                    "method.lambda_e=1", "--out-dir", str(grid_dir), timeout=300)
-    jobs = trial_jobs(result.stdout)
+    # the grid and the search side by side (4 one-core jobs)
+    grid_command = forked_runs.start("launch", ["grid", "--config", str(CONFIG), *trial, "--axis",
+                                                "method.lambda_p=0.5:1", "--axis", "method.lambda_e=1", "--out-dir",
+                                                str(grid_dir)])
+    search = forked_runs.start("launch", ["hpo", "--config", str(CONFIG), *trial, "--space",
+                                          "method.lambda_p=0.25:1:log", "--space", "method.lambda_e=0.25:1:log",
+                                          "--method", "random", "--trials", "2", "--out-dir", str(search_dir)])
+    assert grid_command.wait(300) == 0, grid_command.stderr[-3000:]
+    jobs = trial_jobs(grid_command.stdout)
     assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1      # array ID_0 and ID_1
     knn = lambda run: json.loads(next((run / "eval").glob("knn_step*.json")).read_text())["top1"]["20"]  # noqa: E731
     grid = json.loads((grid_dir / "grid.json").read_text())
     assert grid["axes"] == [[0.5, 1.0], [1.0]] and grid["values"] == [
         [knn(grid_dir / "trials" / "point_lambda-p0.5_lambda-e1")], [knn(grid_dir / "trials" / "point_lambda-p1_lambda-e1")]]
 
-    result = launch("hpo", "--config", str(CONFIG), *trial, "--space", "method.lambda_p=0.25:1:log", "--space",
-                    "method.lambda_e=0.25:1:log", "--method", "random", "--trials", "2", "--out-dir", str(search_dir),
-                    timeout=300)
+    assert search.wait(300) == 0, search.stderr[-3000:]
+    result = search
     first, second = trial_jobs(result.stdout)
     # side by side: the second trial started before the first one ended
     assert scontrol_job(second)["StartTime"] < scontrol_job(first)["EndTime"]
