@@ -41,9 +41,11 @@ class ComputedTrials(TrialJobs):
         ComputedTrials.submitted.append(name)
         values = dict(override.split("=") for override in trial_overrides)
         failed = name in self.fail
+        for folder in ("checkpoints/step00000010", "exports/step00000010"):      # what a trained trial leaves
+            (self.run_dir(name) / folder).mkdir(parents=True, exist_ok=True)
         if not failed:
             result = self.run_dir(name) / "eval" / "retrieval_step0000010.json"
-            result.parent.mkdir(parents=True)
+            result.parent.mkdir(parents=True, exist_ok=True)
             result.write_text(json.dumps({"r_map": landscape(float(values["method.lambda_p"]),
                                                              float(values["method.lambda_e"]))}))
         return SimpleNamespace(job_id=name, done=lambda: True, paths=SimpleNamespace(stderr="ERR"),
@@ -71,6 +73,8 @@ def test_a_grid_measures_every_point_once_and_a_failed_point_is_retried_alone(tm
     ComputedTrials.fail = {"point_lambda-p0.5_lambda-e2"}
     assert run_grid(parse("grid", *argv), ComputedTrials) == 1
     assert "1 of 6 points failed" in capsys.readouterr().out and not (tmp_path / "grid.json").exists()
+    # the failed trial keeps its checkpoints: its job, submitted again, resumes from them
+    assert (tmp_path / "trials" / "point_lambda-p0.5_lambda-e2" / "checkpoints").is_dir()
     ComputedTrials.submitted, ComputedTrials.fail = [], set()
     assert run_grid(parse("grid", *argv), ComputedTrials) == 0
     assert ComputedTrials.submitted == ["point_lambda-p0.5_lambda-e2"]          # the others were read back
@@ -79,6 +83,13 @@ def test_a_grid_measures_every_point_once_and_a_failed_point_is_retried_alone(tm
     assert grid["axes"] == [[0.25, 0.5, 1.0], [0.5, 2.0]]
     expected = [[landscape(p, e) for e in (0.5, 2.0)] for p in (0.25, 0.5, 1.0)]
     assert np.allclose(grid["values"], expected) and grid["metric"] == "retrieval r_map"
+    # a measured trial keeps its result and loses its checkpoints and exports (hundreds of MB each)
+    trial = tmp_path / "trials" / "point_lambda-p0.25_lambda-e0.5"
+    assert (trial / "eval").is_dir() and not (trial / "checkpoints").exists() and not (trial / "exports").exists()
+    kept = tmp_path / "kept"
+    assert run_grid(parse("grid", "--axis", "method.lambda_p=1", "--axis", "method.lambda_e=1", "--out-dir", str(kept),
+                          "--keep-checkpoints"), ComputedTrials) == 0
+    assert (kept / "trials" / "point_lambda-p1_lambda-e1" / "checkpoints").is_dir()
 
 
 @pytest.mark.parametrize("method", ["cd", "tpe"])
