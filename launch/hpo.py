@@ -187,7 +187,7 @@ class TrialJobs:
     eval_args: list[str]
     parallel: int = 1
     keep_checkpoints: bool = False
-    poll_seconds: ClassVar[float] = 2.0          # how often running jobs are checked
+    poll_seconds: ClassVar[float] = 1.0          # how often running jobs are checked
 
     def run_dir(self, name: str) -> Path:
         return self.search_dir / "trials" / name

@@ -94,21 +94,21 @@ def test_a_grid_measures_every_point_once_and_a_failed_point_is_retried_alone(tm
 
 @pytest.mark.parametrize("method", ["cd", "tpe"])
 def test_a_killed_search_resumes_without_running_a_finished_trial_again(tmp_path, method):
-    whole = search(tmp_path / "whole", method)
-    assert len(whole) == 20 and len(ComputedTrials.submitted) == 20
+    whole = search(tmp_path / "whole", method, 14)      # TPE: its 10 random start-up trials, then its own
+    assert len(whole) == 14 and len(ComputedTrials.submitted) == 14
     ComputedTrials.submitted, ComputedTrials.stop_after = [], 7
     with pytest.raises(KeyboardInterrupt):
-        search(tmp_path / "killed", method)
+        search(tmp_path / "killed", method, 14)
     first = list(ComputedTrials.submitted)
     ComputedTrials.stop_after = None
-    resumed = search(tmp_path / "killed", method)
+    resumed = search(tmp_path / "killed", method, 14)
     again = ComputedTrials.submitted[len(first):]
-    assert len(resumed) == 20 and not set(first) & set(again)         # no finished trial ran twice
+    assert len(resumed) == 14 and not set(first) & set(again)         # no finished trial ran twice
     points = {(row["method.lambda_p"], row["method.lambda_e"]) for row in resumed}
     if method == "cd":             # deterministic given the values: the resumed search walks the same path
         assert resumed == whole
     else:                          # the resumed sampler is seeded past the finished trials: no point drawn twice
-        assert len(points) == 20
+        assert len(points) == 14
     best = max(row["value"] for row in resumed)
     assert resumed[-1]["best so far"] == best
 

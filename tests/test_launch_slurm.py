@@ -41,9 +41,9 @@ SLURM = ["--cluster", "slurm", "--cpus-per-task", "1"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    # 6 one-core slots on this 2-core machine: the stop-signal test runs four jobs (five tasks) side by side, which
-    # mostly wait for Slurm's signals and requeues.
-    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=6) as running:
+    # 8 one-core slots on this 2-core machine, for jobs that mostly wait, side by side: the stop-signal test's four
+    # jobs (five tasks); the pipeline's with the grid's and the search's trials.
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=8) as running:
         yield running
 
 
@@ -70,7 +70,7 @@ def wait_until(condition, what: str, timeout: float = 400) -> None:
     deadline = time.time() + timeout
     while not condition():
         assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(1)
+        time.sleep(0.5)
 
 
 def logged(run_dir: Path) -> list[dict]:
@@ -262,18 +262,60 @@ def test_a_sweep_is_one_job_array_and_status_reads_every_run_on_a_real_slurm_clu
         assert f"pretrain {job}" in row and "3 (done)" in row and "COMPLETED" in row
 
 
-def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_real_slurm_cluster(
-        cluster, digits, tmp_path):
+@pytest.fixture(scope="module")
+def grid_and_search(cluster, digits, tmp_path_factory):
+    """`launch grid` (two points) and `launch hpo` (two trials, --parallel 2) started, not waited for: the pipeline
+    test starts them so that their four one-core jobs run while the pipeline's jobs wait on each other, and the
+    grid test after it checks them."""
     trial = [*TINY, *data(digits), "engine.max_steps=3", "--objective", "knn:top1.20", *SLURM, "--time", "10",
              "--parallel", "2"]
-    grid_dir, search_dir = tmp_path / "grid", tmp_path / "search"
-    # the grid and the search side by side (4 one-core jobs)
+    out = tmp_path_factory.mktemp("grid_and_search")
+    grid_dir, search_dir = out / "grid", out / "search"
     grid_command = forked_runs.start("launch", ["grid", "--config", str(CONFIG), *trial, "--axis",
                                                 "method.lambda_p=0.5:1", "--axis", "method.lambda_e=1", "--out-dir",
                                                 str(grid_dir)])
     search = forked_runs.start("launch", ["hpo", "--config", str(CONFIG), *trial, "--space",
                                           "method.lambda_p=0.25:1:log", "--space", "method.lambda_e=0.25:1:log",
                                           "--method", "random", "--trials", "2", "--out-dir", str(search_dir)])
+    return grid_command, grid_dir, search, search_dir
+
+
+def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(
+        cluster, digits, tmp_path, grid_and_search):
+    run_dir, broken = tmp_path / "run", tmp_path / "broken"
+    result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
+                    "engine.max_steps=4", "engine.checkpoint_every_steps=2", "--watch-protocols", "knn",
+                    "--final-protocols", "knn,linear", "--watch-poll-seconds", "3", *SLURM, "--time", "10")
+    pretraining, watcher, final = submitted(result.stdout)
+    # Side by side, a pipeline whose pretraining fails: its final evaluation must never start.
+    result = launch("pipeline", "--config", str(CONFIG), *TINY, f"data.train={tmp_path / 'missing.beton'}",
+                    f"run_dir={broken}", "--watch-poll-seconds", "3", *SLURM, "--time", "10")
+    failed, failed_watcher, failed_final = submitted(result.stdout)
+
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
+    assert kinds == ["pretrain", "eval-watch", "final-eval"]
+    assert scontrol_job(final)["Dependency"] == f"afterok:{pretraining}(unfulfilled)" or \
+        scontrol_job(final)["JobState"] in ("RUNNING", "COMPLETED")
+    wait_until(lambda: (run_dir / "eval/linear_step0000004.json").is_file(), "the final linear probe")
+    wait_until(lambda: scontrol_job(final).get("JobState") == "COMPLETED", "the final evaluation job")
+    assert scontrol_job(final)["StartTime"] >= scontrol_job(pretraining)["EndTime"]   # only after pretraining
+    wait_until(lambda: scontrol_job(watcher).get("JobState") == "COMPLETED", "the watcher")
+    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == \
+        ["knn_step0000002.json", "knn_step0000004.json"]                      # the watcher's, each checkpoint
+
+    # The failed pretraining: Slurm cancels the final job (kill-on-invalid-dep) and the watcher stops by itself,
+    # naming the job: neither waits out its time limit.
+    wait_until(lambda: scontrol_job(failed).get("JobState") == "FAILED", "the failed pretraining")
+    wait_until(lambda: scontrol_job(failed_final).get("JobState") == "CANCELLED", "the final job's cancellation")
+    assert not (broken / "jobs" / f"{failed_final}_0_log.out").exists()           # it never ran
+    wait_until(lambda: scontrol_job(failed_watcher).get("JobState") == "FAILED", "the watcher's stop")
+    watcher_log = (broken / "jobs" / f"{failed_watcher}_0_log.err").read_text()
+    assert f"the pretraining job {failed} has ended (FAILED) without finishing" in watcher_log
+
+
+def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_real_slurm_cluster(
+        grid_and_search):
+    grid_command, grid_dir, search, search_dir = grid_and_search
     assert grid_command.wait(300) == 0, grid_command.stderr[-3000:]
     jobs = trial_jobs(grid_command.stdout)
     assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1      # array ID_0 and ID_1
@@ -297,35 +339,3 @@ def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_
         from pretrain.config import load_config
         assert load_config(run / "config.yaml").method.lambda_p == pytest.approx(t.params["method.lambda_p"], rel=1e-5)
     assert "hpo: 2/2 trials done; best" in result.stdout and (search_dir / "best_so_far.png").is_file()
-
-
-def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(cluster, digits, tmp_path):
-    run_dir = tmp_path / "run"
-    result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
-                    "engine.max_steps=4", "engine.checkpoint_every_steps=2", "--watch-protocols", "knn",
-                    "--final-protocols", "knn,linear", "--watch-poll-seconds", "3", *SLURM, "--time", "10")
-    pretraining, watcher, final = submitted(result.stdout)
-    kinds = [json.loads(line)["kind"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
-    assert kinds == ["pretrain", "eval-watch", "final-eval"]
-    assert scontrol_job(final)["Dependency"] == f"afterok:{pretraining}(unfulfilled)" or \
-        scontrol_job(final)["JobState"] in ("RUNNING", "COMPLETED")
-    wait_until(lambda: (run_dir / "eval/linear_step0000004.json").is_file(), "the final linear probe")
-    wait_until(lambda: scontrol_job(final).get("JobState") == "COMPLETED", "the final evaluation job")
-    assert scontrol_job(final)["StartTime"] >= scontrol_job(pretraining)["EndTime"]   # only after pretraining
-    wait_until(lambda: scontrol_job(watcher).get("JobState") == "COMPLETED", "the watcher")
-    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == \
-        ["knn_step0000002.json", "knn_step0000004.json"]                      # the watcher's, each checkpoint
-
-    # A pretraining that fails: its final evaluation never starts.
-    broken = tmp_path / "broken"
-    result = launch("pipeline", "--config", str(CONFIG), *TINY, f"data.train={tmp_path / 'missing.beton'}",
-                    f"run_dir={broken}", "--watch-poll-seconds", "3", *SLURM, "--time", "10")
-    pretraining, watcher, final = submitted(result.stdout)
-    wait_until(lambda: scontrol_job(pretraining).get("JobState") == "FAILED", "the failed pretraining")
-    # Slurm cancels the final job (kill-on-invalid-dep) and the watcher stops by itself, naming the job:
-    # neither waits out its time limit.
-    wait_until(lambda: scontrol_job(final).get("JobState") == "CANCELLED", "the final job's cancellation")
-    assert not (broken / "jobs" / f"{final}_0_log.out").exists()                 # it never ran
-    wait_until(lambda: scontrol_job(watcher).get("JobState") == "FAILED", "the watcher's stop")
-    watcher_log = (broken / "jobs" / f"{watcher}_0_log.err").read_text()
-    assert f"the pretraining job {pretraining} has ended (FAILED) without finishing" in watcher_log
