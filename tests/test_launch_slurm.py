@@ -10,8 +10,6 @@ which first installs slurm-wlm and munge with apt-get where they are missing):
   job, each stopped as at its time limit, requeue too: the watcher evaluates every export exactly once, the
   fine-tuning resumes at its own checkpoint and logs every step once;
 - a sweep of two runs is one job array, and `launch status` reads both;
-- a grid of two points is one job array and a search runs two trials at once, each trial's value its own k-NN
-  result;
 - a pipeline's final evaluation starts only after pretraining succeeded (and never when it failed: Slurm cancels
   it, and the watcher stops by itself);
 - `--time` in every form Slurm accepts means the minutes Slurm gives the job.
@@ -41,9 +39,9 @@ SLURM = ["--cluster", "slurm", "--cpus-per-task", "1"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    # 8 one-core slots on this 2-core machine, for jobs that mostly wait, side by side: the stop-signal test's four
-    # jobs (five tasks); the pipeline's with the grid's and the search's trials.
-    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=8) as running:
+    # 6 one-core slots on this 2-core machine, for jobs that mostly wait, side by side: the stop-signal test's four
+    # jobs (five tasks); the two pipelines.
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=6) as running:
         yield running
 
 
@@ -60,10 +58,6 @@ def data(digits: Path) -> list[str]:
 def submitted(stdout: str) -> list[str]:
     return re.findall(r"submitted \S+ job (\S+)", stdout)
 
-
-def trial_jobs(stdout: str) -> list[str]:
-    """The job ids `launch grid` and `launch hpo` print, one line per trial."""
-    return re.findall(r"trial \S+: job (\S+)", stdout)
 
 
 def wait_until(condition, what: str, timeout: float = 400) -> None:
@@ -262,26 +256,7 @@ def test_a_sweep_is_one_job_array_and_status_reads_every_run_on_a_real_slurm_clu
         assert f"pretrain {job}" in row and "3 (done)" in row and "COMPLETED" in row
 
 
-@pytest.fixture(scope="module")
-def grid_and_search(cluster, digits, tmp_path_factory):
-    """`launch grid` (two points) and `launch hpo` (two trials, --parallel 2) started, not waited for: the pipeline
-    test starts them so that their four one-core jobs run while the pipeline's jobs wait on each other, and the
-    grid test after it checks them."""
-    trial = [*TINY, *data(digits), "engine.max_steps=3", "--objective", "knn:top1.20", *SLURM, "--time", "10",
-             "--parallel", "2"]
-    out = tmp_path_factory.mktemp("grid_and_search")
-    grid_dir, search_dir = out / "grid", out / "search"
-    grid_command = forked_runs.start("launch", ["grid", "--config", str(CONFIG), *trial, "--axis",
-                                                "method.lambda_p=0.5:1", "--axis", "method.lambda_e=1", "--out-dir",
-                                                str(grid_dir)])
-    search = forked_runs.start("launch", ["hpo", "--config", str(CONFIG), *trial, "--space",
-                                          "method.lambda_p=0.25:1:log", "--space", "method.lambda_e=0.25:1:log",
-                                          "--method", "random", "--trials", "2", "--out-dir", str(search_dir)])
-    return grid_command, grid_dir, search, search_dir
-
-
-def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(
-        cluster, digits, tmp_path, grid_and_search):
+def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(cluster, digits, tmp_path):
     run_dir, broken = tmp_path / "run", tmp_path / "broken"
     result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
                     "engine.max_steps=4", "engine.checkpoint_every_steps=2", "--watch-protocols", "knn",
@@ -311,31 +286,3 @@ def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_clu
     wait_until(lambda: scontrol_job(failed_watcher).get("JobState") == "FAILED", "the watcher's stop")
     watcher_log = (broken / "jobs" / f"{failed_watcher}_0_log.err").read_text()
     assert f"the pretraining job {failed} has ended (FAILED) without finishing" in watcher_log
-
-
-def test_a_grid_is_one_job_array_and_a_search_runs_its_trials_side_by_side_on_a_real_slurm_cluster(
-        grid_and_search):
-    grid_command, grid_dir, search, search_dir = grid_and_search
-    assert grid_command.wait(300) == 0, grid_command.stderr[-3000:]
-    jobs = trial_jobs(grid_command.stdout)
-    assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1      # array ID_0 and ID_1
-    knn = lambda run: json.loads(next((run / "eval").glob("knn_step*.json")).read_text())["top1"]["20"]  # noqa: E731
-    grid = json.loads((grid_dir / "grid.json").read_text())
-    assert grid["axes"] == [[0.5, 1.0], [1.0]] and grid["values"] == [
-        [knn(grid_dir / "trials" / "point_lambda-p0.5_lambda-e1")], [knn(grid_dir / "trials" / "point_lambda-p1_lambda-e1")]]
-
-    assert search.wait(300) == 0, search.stderr[-3000:]
-    result = search
-    first, second = trial_jobs(result.stdout)
-    # side by side: the second trial started before the first one ended
-    assert scontrol_job(second)["StartTime"] < scontrol_job(first)["EndTime"]
-    import optuna
-
-    study = optuna.load_study(study_name="search", storage=f"sqlite:///{search_dir / 'study.db'}")
-    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
-    for t in study.trials:
-        run = search_dir / "trials" / f"trial{t.number:04d}"
-        assert t.value == knn(run)
-        from pretrain.config import load_config
-        assert load_config(run / "config.yaml").method.lambda_p == pytest.approx(t.params["method.lambda_p"], rel=1e-5)
-    assert "hpo: 2/2 trials done; best" in result.stdout and (search_dir / "best_so_far.png").is_file()
