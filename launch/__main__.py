@@ -24,9 +24,9 @@ import json
 import sys
 from pathlib import Path
 
-from launch.cluster import (ClusterOptions, LaunchError, add_cluster_arguments, build_executor, cluster_options,
-                            record_job, report, submit, time_limit_minutes)
-from launch.jobs import StageJob, Step
+from launch.cluster import (ClusterOptions, LaunchError, add_cluster_arguments, cluster_options, submit,
+                            submit_array)
+from launch.jobs import Step
 from launch.sweep import run_name, sweep_combinations
 
 
@@ -61,15 +61,10 @@ def command_pretrain(args: argparse.Namespace) -> int:
         run_dir = sweep_dir / name
         load_config(args.config, [*overrides, f"run_dir={run_dir}"])       # refuse a bad value before submitting
         runs.append((name, combination, run_dir, [pretrain_step(args.config, overrides, run_dir)]))
-    executor = build_executor(options, sweep_dir / "jobs", sweep_dir.name)
-    with executor.batch():                                   # one Slurm job array (separate processes locally)
-        jobs = [executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
-                for *_, run_dir, steps in runs]
-    entries = []
-    for (name, combination, run_dir, steps), job in zip(runs, jobs):
-        entry = record_job(run_dir, "pretrain", job, options, steps)
-        entries.append({"name": name, "overrides": combination, "run_dir": str(run_dir), "job_id": entry["job_id"]})
-        report(entry, run_dir)
+    jobs = submit_array(options, sweep_dir / "jobs", sweep_dir.name, "pretrain",
+                        [(run_dir, steps) for *_, run_dir, steps in runs])
+    entries = [{"name": name, "overrides": combination, "run_dir": str(run_dir), "job_id": str(job.job_id)}
+               for (name, combination, run_dir, _), job in zip(runs, jobs)]
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "sweep.json").write_text(json.dumps({"config": args.config, "overrides": args.overrides,
                                                       "sweep": args.sweep, "runs": entries}, indent=1) + "\n")

@@ -248,3 +248,21 @@ def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step],
     if announce:
         report(entry, run_dir)
     return job
+
+
+def submit_array(options: ClusterOptions, folder: Path, name: str, kind: str, runs: list[tuple[Path, list[Step]]],
+                 parallel: int | None = None, announce: bool = True) -> list:
+    """Submit one job per (run_dir, steps) as one Slurm job array (separate processes locally), its scripts and logs
+    in `folder`, at most `parallel` running at once (Slurm's `%K`; default: submitit's); each job is recorded in
+    its RUN_DIR/jobs.jsonl and, with `announce`, printed."""
+    executor = build_executor(options, folder, name)
+    if parallel is not None:
+        executor.update_parameters(array_parallelism=parallel)
+    with executor.batch():
+        jobs = [executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
+                for run_dir, steps in runs]
+    for (run_dir, steps), job in zip(runs, jobs):
+        entry = record_job(run_dir, kind, job, options, steps)
+        if announce:
+            report(entry, run_dir)
+    return jobs

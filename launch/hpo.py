@@ -28,12 +28,13 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import ClassVar
 from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 
-from launch.cluster import ClusterOptions, LaunchError, submit, time_limit_minutes
+from launch.cluster import ClusterOptions, LaunchError, submit, submit_array
 from launch.coordinate_descent import PAPER_DIRECTIONS, coordinate_descent
 from launch.jobs import Step
 from launch.sweep import run_name
@@ -154,8 +155,8 @@ class SubmittedBefore:
         return self.record["job_id"]
 
     @property
-    def paths(self):
-        return argparse.Namespace(stderr=self.record.get("stderr"))
+    def paths(self) -> SimpleNamespace:
+        return SimpleNamespace(stderr=self.record.get("stderr"))
 
     def done(self) -> bool:
         from launch.status import job_state
@@ -174,6 +175,7 @@ def still_running(run_dir: Path) -> SubmittedBefore | None:
         if record["kind"] == "trial" and job_state(record, run_dir) in ACTIVE_STATES:
             return SubmittedBefore(record, run_dir)
     return None
+
 
 @dataclass
 class TrialJobs:
@@ -217,17 +219,10 @@ class TrialJobs:
 
     def submit_array(self, trials: list[tuple[object, str, list[str]]]) -> list:
         """Submit trials known in advance (a grid's points) as one Slurm job array, `parallel` running at once."""
-        from launch.cluster import build_executor, record_job
-        from launch.jobs import StageJob
-
-        executor = build_executor(self.options, self.search_dir / "jobs", self.search_dir.name)
-        executor.update_parameters(array_parallelism=self.parallel)
-        with executor.batch():
-            jobs = [executor.submit(StageJob(self.steps(name, trial_overrides), self.options.max_requeues,
-                                             str(self.run_dir(name)), time_limit_minutes(self.options.time)))
-                    for _, name, trial_overrides in trials]
-        for (_, name, trial_overrides), job in zip(trials, jobs):
-            record_job(self.run_dir(name), "trial", job, self.options, self.steps(name, trial_overrides))
+        jobs = submit_array(self.options, self.search_dir / "jobs", self.search_dir.name, "trial",
+                            [(self.run_dir(name), self.steps(name, overrides)) for _, name, overrides in trials],
+                            parallel=self.parallel, announce=False)
+        for (_, name, _), job in zip(trials, jobs):
             print(f"trial {name}: job {job.job_id} (slurm array), log {job.paths.stderr}", flush=True)
         return jobs
 
@@ -239,12 +234,16 @@ class TrialJobs:
         array (Slurm keeps `parallel` running); locally, as without it."""
         running: dict[object, tuple[object, Path, object]] = {}
 
+        def done(tag, run_dir: Path, value: float | None) -> None:
+            if value is not None:
+                self.tidy(run_dir)
+            finished(tag, value)
+
         def measured_before(tag, name) -> bool:
             """A resumed search's trial: finished (read, not run again), or its job still running (waited for)."""
             value = self.objective.read(self.run_dir(name))
             if value is not None:
-                self.tidy(self.run_dir(name))
-                finished(tag, value)
+                done(tag, self.run_dir(name), value)
                 return True
             job = still_running(self.run_dir(name))
             if job is not None:
@@ -280,9 +279,7 @@ class TrialJobs:
                     print(f"trial {run_dir.name} failed: see {job.paths.stderr}" if value is None else
                           f"trial {run_dir.name}: {self.objective.protocol} {self.objective.field} = {value:.4f}",
                           flush=True)
-                    if value is not None:
-                        self.tidy(run_dir)
-                    finished(tag, value)
+                    done(tag, run_dir, value)
 
 
 # ============ python -m launch grid ============
