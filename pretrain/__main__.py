@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from pretrain.config import ConfigError, load_config
+from pretrain.memory_reuse import reuse_freed_memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.epochs=5")
     args = parser.parse_args(argv)
+    reuse_freed_memory()           # a CPU batch's tensors reuse the last batch's memory (pretrain/memory_reuse.py)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as error:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pretrain.argument_types import positive_int
+from pretrain.memory_reuse import reuse_freed_memory
 
 SIMCLR_SIDE = 32
 SOURCE_SIDE = 64
@@ -92,6 +93,64 @@ def synthetic_photo_folder(root: Path, count: int) -> Path:
     return root
 
 
+PHOTO_SOURCE = Path("/usr/share/backgrounds/mate/nature")    # Debian's mate-backgrounds: 12 photographs, 1280-2560 px
+PHOTO_SIZES = {"400x350": ((360, 460), (300, 400)), "1000x750": ((900, 1100), (680, 820))}   # width, height ranges
+
+
+def photograph_folder(root: Path, count: int, source: Path, size: str) -> Path:
+    """`count` JPEGs (quality 90) cut from the real photographs in `source`: per image, a random region of a
+    random photograph (10-100% of its area, the aspect of the output), resized to about `size` (PHOTO_SIZES;
+    a quarter of them portrait), in 10 class folders. The photographs install offline with Debian's
+    `mate-backgrounds` package (PHOTO_SOURCE). Reused when already complete."""
+    from PIL import Image
+
+    photographs = sorted(p for p in source.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    if not photographs:
+        raise SystemExit(f"error: --photos {source} holds no .jpg/.png photographs; install them with "
+                         "`apt-get install mate-backgrounds`, pass another folder, or `--photos generated`")
+    marker = root / f".complete-{count}"
+    if marker.exists():
+        return root
+    sources = [Image.open(p).convert("RGB") for p in photographs]
+    rng = np.random.default_rng(0)
+    (low_w, high_w), (low_h, high_h) = PHOTO_SIZES[size]
+    for i in range(count):
+        width, height = int(rng.integers(low_w, high_w)), int(rng.integers(low_h, high_h))
+        if rng.random() < 0.25:
+            width, height = height, width
+        photo = sources[i % len(sources)]
+        area = rng.uniform(0.1, 1.0) * photo.width * photo.height
+        crop_w = min(photo.width, int((area * width / height) ** 0.5))
+        crop_h = min(photo.height, int(crop_w * height / width))
+        left, top = int(rng.integers(0, photo.width - crop_w + 1)), int(rng.integers(0, photo.height - crop_h + 1))
+        picture = photo.resize((width, height), Image.BICUBIC, box=(left, top, left + crop_w, top + crop_h))
+        folder = root / f"class{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        picture.save(folder / f"{i:06d}.jpg", quality=90)
+    marker.touch()
+    return root
+
+
+def benchmark_images(work_dir: Path, count: int, photos: str, size: str, workers: int) -> tuple[Path, Path, str]:
+    """(image folder, .beton, description) of the ImageNet-sized images: real photographs from `photos` (a folder)
+    when it holds any, else (or with `photos` = "generated") the generated ~400 x 350 px set."""
+    from pretrain.data.writer import write_image_folder
+
+    if photos != "generated" and Path(photos).is_dir():
+        folder = photograph_folder(work_dir / f"photographs-{size}-{count}", count, Path(photos), size)
+        described = f"{count} JPEGs ~{size.replace('x', ' x ')} px q90 cut from the photographs in {photos}"
+    else:
+        if photos != "generated":
+            print(f"note: {photos} does not exist (`apt-get install mate-backgrounds` installs the photographs): "
+                  "measuring on the generated images instead", flush=True)
+        folder = synthetic_photo_folder(work_dir / f"photos-{count}", count)
+        described = f"{count} generated JPEGs ~400 x 350 px q90"
+    beton = folder.with_suffix(".beton")
+    if not beton.exists():          # stored at their own size (the writer's default would cap the longer side at 512)
+        write_image_folder(folder, beton, workers=workers, max_side=None)
+    return folder, beton, described
+
+
 def cpu_seconds() -> float:
     """CPU time of this process (all threads) plus its reaped children (DataLoader workers exit per epoch)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -111,7 +170,8 @@ def images_per_second(loader, epochs: int = 3) -> tuple[float, float]:
         images, start, start_cpu = 0, time.perf_counter(), cpu_seconds()
         for batch in loader.epoch(epoch):
             images += batch.batch_size
-            float(batch.views[0][0, 0, 0, 0, 0])      # on CUDA: wait for the work to finish
+            if batch.views[0].device.type != "meta":      # meta: no device work to wait for
+                float(batch.views[0][0, 0, 0, 0, 0])      # on CUDA: wait for the work to finish
         rate = images / (time.perf_counter() - start)
         if rate > best[0]:
             best = (rate, images / (cpu_seconds() - start_cpu))
@@ -186,13 +246,20 @@ def add_loader_command(commands) -> None:
                                                                  "Default: bench/data.")
     loader.add_argument("--out", default="bench/loader.json", help="JSON result file. Default: bench/loader.json.")
     loader.add_argument("--sizes", choices=("digits", "imagenet"), default="digits",
-                        help="digits: 64 px JPEGs -> 32 px views (the default); imagenet: ~400 x 350 px JPEGs -> "
-                             "SimCLR 2x224 / 4x224 and DINO 2x224+6x96 / 4x224+16x96, decode once vs one decode per "
-                             "view vs torchvision, each in a process of its own (memory), a canvas-size sweep and "
-                             "a profile")
+                        help="digits: 64 px JPEGs -> 32 px views (the default); imagenet: photograph JPEGs (--photos, "
+                             "--photo-size) -> SimCLR 2x224 / 4x224 and DINO 2x224+6x96 / 4x224+16x96, decode once vs "
+                             "one decode per view vs torchvision, each in a process of its own (memory): the host's CPU "
+                             "time per image in a GPU run (cores per GPU), images per CPU second on the CPU, and a "
+                             "profile")
     loader.add_argument("--canvas", type=positive_int, default=384, help="imagenet: the decode-once canvas. Default: 384.")
-    loader.add_argument("--canvas-sweep", type=positive_int, nargs="*", default=[256, 512],
-                        help="imagenet: further canvases timed for SimCLR and DINO. Default: 256 512.")
+    loader.add_argument("--canvas-sweep", type=positive_int, nargs="*", default=[],
+                        help="imagenet: further canvases to time for SimCLR and DINO (e.g. 256 512). Default: none.")
+    loader.add_argument("--photos", default=str(PHOTO_SOURCE),
+                        help="imagenet: a folder of photographs the JPEGs are cut from, or 'generated' for the "
+                             f"generated images (the fallback when the folder is missing). Default: {PHOTO_SOURCE} "
+                             "(`apt-get install mate-backgrounds`).")
+    loader.add_argument("--photo-size", choices=tuple(PHOTO_SIZES), default="400x350",
+                        help="imagenet: the JPEGs' size, ImageNet's typical or its largest. Default: 400x350.")
     loader.set_defaults(run=run_loader_benchmark)
     case = commands.add_parser("loader-case", help=argparse.SUPPRESS)
     case.add_argument("--case", required=True)
@@ -222,10 +289,12 @@ def imagenet_recipes() -> dict[str, list]:
 
 class DecodePerViewLoader:
     """FFCV-SSL's way, emulated with the registry's FFCV: one FFCV pipeline per view over the same .beton, each
-    decoding the whole JPEG again and cropping its view (FFCV's RandomResizedCropRGBImageDecoder), then flip and
-    colour in torch as the decode-once loader does. Iterated in lockstep: a batch holds every view."""
+    decoding the whole JPEG again and cropping its view (FFCV's RandomResizedCropRGBImageDecoder) on the host;
+    then each view goes to `device` as the decode-once canvas does (`canvas_to_device`) and is flipped, coloured,
+    blurred and normalised there by the same torch code. Iterated in lockstep: a batch holds every view."""
 
-    def __init__(self, path: Path, groups: list, batch_size: int, num_workers: int, seed: int = 0):
+    def __init__(self, path: Path, groups: list, batch_size: int, num_workers: int, seed: int = 0,
+                 device: str = "cpu"):
         from dataclasses import replace
 
         from ffcv.fields.basics import IntDecoder
@@ -236,6 +305,7 @@ class DecodePerViewLoader:
         from pretrain.data.ffcv_loader import ReorderableLoader
 
         self.groups = groups
+        self.device = torch.device(device)
         self.loaders = []
         for group in groups:
             for _ in range(group.count):
@@ -251,8 +321,9 @@ class DecodePerViewLoader:
         self.num_images = int(self.loaders[0].reader.num_samples)
 
     def epoch(self, epoch: int):
-        from pretrain.data.augment import augment_group
+        from pretrain.data.augment import augment_group, canvas_to_device, normalise
         from pretrain.data.ffcv_loader import ffcv_batches
+        from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
         from pretrain.data.seeding import seeded_generator
         from pretrain.data.views import ViewBatch
 
@@ -263,9 +334,9 @@ class DecodePerViewLoader:
             views, k = [], 0
             for group, finish in zip(self.groups, self.finish):
                 side = torch.tensor([[group.size, group.size]]).expand(crops[k][0].shape[0], 2)
-                drawn = [augment_group(crops[k + i][0].float(), side, finish, generator, 1 / 255)[0]
-                         for i in range(group.count)]
-                views.append(torch.cat(drawn, dim=1))
+                drawn = [augment_group(canvas_to_device(crops[k + i][0], self.device), side, finish, generator,
+                                       1 / 255)[0] for i in range(group.count)]
+                views.append(normalise(torch.cat(drawn, dim=1), IMAGENET_MEAN, IMAGENET_STD))
                 k += group.count
             yield ViewBatch(views=views, boxes=[], labels=crops[0][1], indices=crops[0][1])
 
@@ -287,17 +358,19 @@ def upsampled_share(groups: list, canvas: int | None, source_hw=(350, 400), draw
 
 
 def run_loader_case(args: argparse.Namespace) -> dict:
-    """One case in this process (a process of its own per case, so that its memory is its own)."""
+    """One case in this process (a process of its own per case, so that its memory is its own). Device "meta":
+    the host's share of a GPU run, the device work left out (`canvas_to_device`)."""
     from pretrain.data.loader import build_view_loader
 
     case = json.loads(args.case)
     groups = imagenet_recipes()[case["recipe"]]
     torch.set_num_threads(args.workers)
+    device = case.get("device", "cpu")
     if case["loader"] == "decode once":
         loader = build_view_loader(case["beton"], groups, args.batch_size, canvas_size=case["canvas"],
-                                   num_workers=args.workers)
+                                   num_workers=args.workers, device=device)
     elif case["loader"] == "decode per view":
-        loader = DecodePerViewLoader(Path(case["beton"]), groups, args.batch_size, args.workers)
+        loader = DecodePerViewLoader(Path(case["beton"]), groups, args.batch_size, args.workers, device=device)
     else:
         loader = build_view_loader(case["folder"], groups, args.batch_size, backend="torchvision",
                                    num_workers=args.workers)
@@ -335,71 +408,89 @@ def profile_views(beton: Path, groups: list, canvas: int, batch_size: int, worke
     return rows
 
 
+GPU_FEED_RATE = 3000          # images/s one GPU trains ResNet-50 at (FFCV's A100 figure): what its host must feed
+
+
 def run_imagenet_loader_benchmark(args: argparse.Namespace) -> dict:
-    """The cases in processes of their own, then the tables, the canvas sweep and the profile."""
+    """The cases in processes of their own, then the two figures, the canvas geometry and the profile."""
     import subprocess
 
-    from pretrain.data.writer import write_image_folder
-
-    work_dir = Path(args.data_dir)
-    folder = synthetic_photo_folder(work_dir / f"photos-{args.images}", args.images)
-    beton = work_dir / f"photos-{args.images}.beton"
-    if not beton.exists():
-        write_image_folder(folder, beton, workers=args.workers)
+    folder, beton, described = benchmark_images(Path(args.data_dir), args.images, args.photos, args.photo_size,
+                                                args.workers)
     recipes = imagenet_recipes()
-    cases = [{"recipe": r, "loader": loader, "canvas": args.canvas if loader == "decode once" else None}
-             for r in recipes for loader in ("decode once", "decode per view", "torchvision")]
-    cases += [{"recipe": r, "loader": "decode once", "canvas": c} for r in ("SimCLR 2x224", "DINO 2x224+6x96")
-              for c in args.canvas_sweep if c != args.canvas]
-    print(f"1-minute load average before: {os.getloadavg()[0]:.2f}")
+    loaders = ("decode once", "decode per view", "torchvision")
+    cases = [{"recipe": r, "loader": loader, "canvas": args.canvas if loader == "decode once" else None,
+              "device": "cpu"} for r in recipes for loader in loaders]
+    # the host's share of a GPU run; torchvision's is all of its work, the case above
+    cases += [{"recipe": r, "loader": loader, "canvas": args.canvas if loader == "decode once" else None,
+               "device": "meta"} for r in recipes for loader in loaders[:2]]
+    cases += [{"recipe": r, "loader": "decode once", "canvas": c, "device": "cpu"}
+              for r in ("SimCLR 2x224", "DINO 2x224+6x96") for c in args.canvas_sweep if c != args.canvas]
+    print(f"{described}\n1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for case in cases:
         case = {**case, "beton": str(beton), "folder": str(folder)}
         finished = subprocess.run([sys.executable, "-m", "pretrain.bench", "loader-case", "--case", json.dumps(case),
                                    "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs",
-                                   str(args.epochs)], capture_output=True, text=True, check=True)
+                                   str(args.epochs)], capture_output=True, text=True)
+        if finished.returncode:
+            raise SystemExit(f"error: the case {json.dumps(case)} failed:\n{finished.stderr[-3000:]}")
         row = json.loads(finished.stdout.strip().splitlines()[-1])
-        row["upsampled_share"] = round(upsampled_share(recipes[row["recipe"]], row["canvas"]), 3)
         rows.append(row)
-        print(f"  {row['recipe']:<22}{row['loader']:<17}canvas={str(row['canvas']):<5}{row['images_per_s']:8.1f} "
-              f"images/s {row['images_per_cpu_s']:8.1f} images/CPU-s  peak RSS {row['peak_rss_mb']} MB "
-              f"(workers {row['largest_worker_rss_mb']} MB)", flush=True)
+        where = "host side of a GPU run" if row["device"] == "meta" else "on the CPU"
+        print(f"  {row['recipe']:<22}{row['loader']:<17}canvas={str(row['canvas']):<5}{where:<24}"
+              f"{row['images_per_s']:8.1f} images/s {row['images_per_cpu_s']:8.1f} images/CPU-s  peak RSS "
+              f"{row['peak_rss_mb']} MB (workers {row['largest_worker_rss_mb']} MB)", flush=True)
 
-    def rate(recipe, loader, canvas=args.canvas, metric="images_per_cpu_s"):
-        return next(r[metric] for r in rows if r["recipe"] == recipe and r["loader"] == loader
-                    and (loader != "decode once" or r["canvas"] == canvas))
+    def rate(recipe, loader, device="cpu", canvas=args.canvas, metric="images_per_cpu_s"):
+        device = "cpu" if loader == "torchvision" else device
+        return next(r[metric] for r in rows if r["recipe"] == recipe and r["loader"] == loader and r["device"] ==
+                    device and (loader != "decode once" or r["canvas"] == canvas))
 
-    print(f"\nimages / CPU second (images / wall second), {args.images} JPEGs ~400 x 350 px q90, batch "
-          f"{args.batch_size}, {args.workers} workers, decode-once canvas {args.canvas}")
-    print(f"{'recipe':<22}{'decode once':>18}{'decode per view':>18}{'torchvision':>18}{'once/torchvision':>18}")
+    views = {recipe: sum(group.count for group in recipes[recipe]) for recipe in recipes}
+    print(f"\n1. the host's share of a GPU run: CPU milliseconds per image (views cut, coloured and blurred on the "
+          f"device, here a no-op), and CPU cores per GPU to feed {GPU_FEED_RATE:,} images/s; batch {args.batch_size}")
+    print(f"{'recipe':<22}{'decode once':>13}{'per view':>10}{'torchvision':>13}{'cores/GPU':>18}"
+          f"{'once/per view':>15}{'goal':>7}{'once/tv':>9}{'goal':>6}")
+    host = {}
     for recipe in recipes:
-        cells = [f"{rate(recipe, l):.0f} ({rate(recipe, l, metric='images_per_s'):.0f})"
-                 for l in ("decode once", "decode per view", "torchvision")]
+        ms = [1000 / rate(recipe, loader, "meta") for loader in loaders]
+        host[recipe] = dict(zip(loaders, ms))
+        cores = "/".join(f"{GPU_FEED_RATE * m / 1000:.0f}" for m in ms)
+        print(f"{recipe:<22}{ms[0]:>13.2f}{ms[1]:>10.2f}{ms[2]:>13.2f}{cores:>18}{ms[0] / ms[1]:>15.2f}"
+              f"{'<' + format(1 / views[recipe], '.2f'):>7}{ms[0] / ms[2]:>9.3f}{'<0.1':>6}")
+    print(f"\n2. on the CPU: images / CPU second (images / wall second), canvas {args.canvas}, {args.workers} workers")
+    print(f"{'recipe':<22}{'decode once':>18}{'decode per view':>18}{'torchvision':>18}{'once/per view':>15}"
+          f"{'once/tv':>9}")
+    for recipe in recipes:
+        cells = [f"{rate(recipe, l):.0f} ({rate(recipe, l, metric='images_per_s'):.0f})" for l in loaders]
         print(f"{recipe:<22}{cells[0]:>18}{cells[1]:>18}{cells[2]:>18}"
-              f"{rate(recipe, 'decode once') / rate(recipe, 'torchvision'):>17.1f}x")
-    cost = {loader: {r: 1 / rate(r, loader) for r in recipes} for loader in ("decode once", "decode per view",
-                                                                          "torchvision")}
-    print("\ncost per image relative to the recipe it extends (goals: 4x224 / 2x224 <= 1.5, DINO pool / 8 views <= 2.5)")
+              f"{rate(recipe, 'decode once') / rate(recipe, 'decode per view'):>14.2f}x"
+              f"{rate(recipe, 'decode once') / rate(recipe, 'torchvision'):>8.2f}x")
+    cost = {loader: {r: 1 / rate(r, loader) for r in recipes} for loader in loaders}
+    print("\ncost per image of the larger pool over the recipe it extends, on the CPU (goal for decode once: "
+          "4x224 / 2x224 <= 1.5)")
     print(f"{'loader':<18}{'4x224 / 2x224':>16}{'DINO pool / 8 views':>22}")
     for loader, c in cost.items():
         print(f"{loader:<18}{c['SimCLR HVS 4x224'] / c['SimCLR 2x224']:>16.2f}"
               f"{c['DINO HVS 4x224+16x96'] / c['DINO 2x224+6x96']:>22.2f}")
-    print("\ncanvas size (decode once): images / CPU second, and the share of views upsampled (crop smaller than "
-          "the view on the canvas; at the source resolution in the last column)")
+    print("\ncanvas size: the share of views upsampled (crop smaller than the view on the canvas), exact geometry; "
+          "images / CPU second where timed")
     for recipe in ("SimCLR 2x224", "DINO 2x224+6x96"):
-        for canvas in sorted({args.canvas, *args.canvas_sweep}):
-            row = next(r for r in rows if r["recipe"] == recipe and r["loader"] == "decode once" and r["canvas"] == canvas)
-            print(f"{recipe:<22}canvas {canvas:>4}: {row['images_per_cpu_s']:7.0f} images/CPU-s, "
-                  f"{100 * row['upsampled_share']:5.1f}% upsampled (source: "
-                  f"{100 * upsampled_share(recipes[recipe], None):.1f}%)")
+        for canvas in sorted({args.canvas, 256, 512, *args.canvas_sweep}):
+            timed = [r for r in rows if r["recipe"] == recipe and r["loader"] == "decode once" and r["canvas"] == canvas
+                     and r["device"] == "cpu"]
+            speed = f"{timed[0]['images_per_cpu_s']:7.0f} images/CPU-s, " if timed else ""
+            print(f"{recipe:<22}canvas {canvas:>4}: {speed}{100 * upsampled_share(recipes[recipe], canvas):5.1f}% "
+                  f"upsampled (source: {100 * upsampled_share(recipes[recipe], None):.1f}%)")
     profile = profile_views(beton, recipes["SimCLR 2x224"], args.canvas, args.batch_size, args.workers)
     print(f"\nwhere a SimCLR 2x224 batch of {args.batch_size} goes on the CPU (ms per batch, decode-once, canvas "
           f"{args.canvas}):")
     for name, ms in profile:
         print(f"  {name:<60}{ms:9.1f}")
-    return {"command": "loader", "recipe_set": "imagenet", "images": args.images, "batch_size": args.batch_size,
-            "workers": args.workers, "canvas": args.canvas, "rows": rows, "profile_ms_per_batch": profile,
-            "load_average_1min": os.getloadavg()[0], "torch": torch.__version__}
+    return {"command": "loader", "recipe_set": "imagenet", "images": described, "batch_size": args.batch_size,
+            "workers": args.workers, "canvas": args.canvas, "rows": rows, "host_ms_per_image": host,
+            "profile_ms_per_batch": profile, "load_average_1min": os.getloadavg()[0], "torch": torch.__version__}
 
 
 # ==== hvs: training-step time with hard view selection (N=4) over without (N=2) ====
@@ -573,6 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    reuse_freed_memory()           # as `python -m pretrain` does (pretrain/memory_reuse.py)
     result = args.run(args)
     if args.out is None:
         return 0

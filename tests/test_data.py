@@ -236,9 +236,9 @@ def test_one_by_one_resize_of_large_views_draws_the_matmul_views():
     boxes = torch.tensor([[0.1, 0.2, 0.6, 0.9], [0.0, 0.0, 1.0, 1.0], [0.55, 0.05, 0.95, 0.45], [0.3, 0.3, 0.7, 0.8]]
                          ).repeat(4, 1)[:4 * 2]
     flip = torch.tensor([False, True] * 4)
-    exact = crop_resize_flip_by_matmuls(canvas, boxes, 2, 40, flip, 1 / 255)
-    rounded = crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, 1 / 255)
-    assert exact.shape == rounded.shape == (8, 40, 40, 3)
+    exact = crop_resize_flip_by_matmuls(canvas, boxes, 2, 40, flip, 1 / 255).permute(0, 3, 1, 2)   # channels last
+    rounded = crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, 1 / 255)                    # channel first
+    assert exact.shape == rounded.shape == (8, 3, 40, 40)
     assert (exact - rounded).abs().mean() < 0.01 and (exact - rounded).abs().max() < 0.06
 
 

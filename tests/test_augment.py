@@ -1,0 +1,100 @@
+"""The view augmentation's operations against brute force, the views of the rewritten CPU path against those of
+the code before it (commit f45537e) for the same seed, and the host-only ("meta") device of the loader benchmark."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pretrain.data.augment import (augment_views, canvas_to_device, crop_resize_flip_one_by_one, gaussian_blur)
+from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
+from pretrain.data.views import ViewGroup
+
+ROOT = Path(__file__).parents[1]
+# `augment_views(*reference_inputs(), torch.Generator().manual_seed(0))` with pretrain/data/augment.py of commit
+# f45537e (before the CPU path wrote views into one preallocated channel-first batch), saved with torch.save.
+REFERENCE = ROOT / "tests" / "data" / "augment_reference_f45537e.pt"
+
+
+def reference_inputs():
+    """Smooth uint8 canvases and a recipe that uses every operation: both resize paths (40 px one by one on the
+    CPU, 12 px by matmuls), flips, jitter, grayscale, blur and solarisation."""
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.rand(4, 3, 72, 72, generator=generator)
+    canvas = (255 * F.avg_pool2d(noise, 5, 1, 2)).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    groups = [ViewGroup(count=2, size=40, grayscale_p=0.3, blur_p=0.7, solarize_p=0.5),
+              ViewGroup(count=3, size=12, scale=(0.1, 0.4), blur_p=0.7, solarize_p=0.5)]
+    return canvas, torch.tensor([[300, 400], [350, 350], [400, 300], [72, 72]]), groups, IMAGENET_MEAN, IMAGENET_STD
+
+
+def test_views_equal_those_of_the_code_before_the_cpu_path_was_rewritten():
+    """Same seed, same views: the rewrite changed where pixels are written, not their arithmetic (float32
+    rounding of the channel-first colour matmul aside)."""
+    expected = torch.load(REFERENCE)
+    views, boxes = augment_views(*reference_inputs(), torch.Generator().manual_seed(0))
+    for got, want in zip(views, expected["views"]):
+        assert got.shape == want.shape and got.is_contiguous()
+        assert (got - want).abs().max() < 1e-5
+    for got, want in zip(boxes, expected["boxes"]):
+        assert torch.equal(got, want)
+
+
+def test_gaussian_blur_is_the_dense_2d_convolution_with_reflected_borders():
+    """Brute force: every output pixel the sum of kernel(dy) * kernel(dx) * the reflected input pixel."""
+    images = torch.rand(2, 3, 9, 11, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 1.6])
+    radius = 2
+    blurred = gaussian_blur(images, sigma, 2 * radius + 1)
+
+    def reflect(i, n):
+        return -i if i < 0 else 2 * (n - 1) - i if i >= n else i
+    for view in range(2):
+        weights = torch.exp(-0.5 * (torch.arange(-radius, radius + 1, dtype=torch.float64) / sigma[view]) ** 2)
+        weights = weights / weights.sum()
+        for y in range(9):
+            for x in range(11):
+                value = sum(weights[dy + radius] * weights[dx + radius]
+                            * images[view, :, reflect(y + dy, 9), reflect(x + dx, 11)].double()
+                            for dy in range(-radius, radius + 1) for dx in range(-radius, radius + 1))
+                assert torch.allclose(blurred[view, :, y, x].double(), value, atol=1e-6)
+
+
+def test_each_large_view_is_its_own_antialiased_resize_of_the_rounded_crop():
+    """The one-by-one path writes view k into slot k of one channel-first float batch: exactly the uint8 resize
+    of its rounded crop, mirrored when flipped, times the pixel scale."""
+    canvas, *_ = reference_inputs()
+    boxes = torch.tensor([[0.1, 0.2, 0.6, 0.9], [0.0, 0.0, 1.0, 1.0], [0.55, 0.05, 0.95, 0.45], [0.3, 0.3, 0.7, 0.8]],
+                         dtype=torch.float64)
+    flip = torch.tensor([False, True, True, False])
+    views = crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, 1 / 255)
+    assert views.shape == (4, 3, 40, 40) and views.is_contiguous() and views.dtype == torch.float32
+    for k, (x0, y0, x1, y1) in enumerate((boxes * 72).round().long().tolist()):
+        crop = canvas[k // 2, y0:y1, x0:x1].permute(2, 0, 1)[None]
+        resized = F.interpolate(crop, size=(40, 40), mode="bilinear", antialias=True, align_corners=False)[0]
+        expected = (resized.flip(-1) if flip[k] else resized).float() * (1 / 255)
+        assert torch.allclose(views[k], expected, atol=1e-7)
+
+
+def test_the_host_side_of_a_gpu_run_draws_the_same_boxes_and_computes_no_pixels():
+    """Device "meta" (the loader benchmark's GPU host side): the canvas is copied as a pinned copy would be, every
+    random draw happens as on a real device, the views are shape-only."""
+    canvas, hw, groups, mean, std = reference_inputs()
+    on_host = canvas_to_device(canvas, "meta")
+    assert on_host.device.type == "meta" and on_host.shape == canvas.shape
+    host_generator, cpu_generator = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    views, boxes = augment_views(on_host, hw, groups, mean, std, host_generator)
+    cpu_views, cpu_boxes = augment_views(canvas, hw, groups, mean, std, cpu_generator)
+    assert [v.shape for v in views] == [v.shape for v in cpu_views] and all(v.device.type == "meta" for v in views)
+    assert [b.shape for b in boxes] == [b.shape for b in cpu_boxes] and all(b.device.type == "meta" for b in boxes)
+    assert torch.equal(host_generator.get_state(), cpu_generator.get_state())      # the same draws, in order
+
+
+def test_freed_memory_is_kept_for_reuse_unless_asked_not_to():
+    """mallopt is applied in a process of its own (it changes that process's malloc for good)."""
+    script = "from pretrain.memory_reuse import reuse_freed_memory; print(reuse_freed_memory())"
+    applied = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    left = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
+                          env={**os.environ, "HARDVIEW_MALLOC": "default"})
+    assert applied.stdout.strip() == "True" and left.stdout.strip() == "False"
