@@ -267,7 +267,8 @@ def build_augmented_views(inputs: EvaluationInputs, args: argparse.Namespace):
     from pretrain.data.views import ViewGroup
 
     group = ViewGroup(count=1, size=inputs.image_size, scale=(0.08, 1.0), jitter_p=0.0, grayscale_p=0.0)
-    canvas_size = inputs.export.config.get("data", {}).get("canvas_size") or inputs.image_size
+    canvas_size = inputs.export.config.get("data", {}).get("canvas_size")          # 0 (the decoded image) counts
+    canvas_size = inputs.image_size if canvas_size is None else canvas_size
     return build_view_loader(inputs.train_path, [group], args.batch_size, device=inputs.device,
                              canvas_size=canvas_size, mean=inputs.mean, std=inputs.std,
                              num_workers=inputs.num_workers, seed=args.seed, drop_last=True)

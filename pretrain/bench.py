@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.argument_types import positive_int
+from pretrain.argument_types import non_negative_int, positive_int
 from pretrain.memory_reuse import reuse_freed_memory
 
 SIMCLR_SIDE = 32
@@ -251,9 +251,15 @@ def add_loader_command(commands) -> None:
                              "one decode per view vs torchvision, each in a process of its own (memory): the host's CPU "
                              "time per image in a GPU run (cores per GPU), images per CPU second on the CPU, and a "
                              "profile")
-    loader.add_argument("--canvas", type=positive_int, default=384, help="imagenet: the decode-once canvas. Default: 384.")
-    loader.add_argument("--canvas-sweep", type=positive_int, nargs="*", default=[],
-                        help="imagenet: further canvases to time for SimCLR and DINO (e.g. 256 512). Default: none.")
+    loader.add_argument("--canvas", type=non_negative_int, default=0,
+                        help="imagenet: the decode-once canvas side, or 0 for views cut from the decoded image itself "
+                             "(data.canvas_size of the ImageNet configs). Default: 0.")
+    loader.add_argument("--canvas-sweep", type=non_negative_int, nargs="*", default=[384],
+                        help="imagenet: further canvases to time for SimCLR and DINO, on the CPU and on the GPU "
+                             "path's host side. Default: 384.")
+    loader.add_argument("--recipes", nargs="+", choices=tuple(imagenet_recipes()), default=tuple(imagenet_recipes()),
+                        metavar="RECIPE", help=f"imagenet: the recipes to time, of {', '.join(imagenet_recipes())}. "
+                                               "Default: all.")
     loader.add_argument("--photos", default=str(PHOTO_SOURCE),
                         help="imagenet: a folder of photographs the JPEGs are cut from, or 'generated' for the "
                              f"generated images (the fallback when the folder is missing). Default: {PHOTO_SOURCE} "
@@ -398,11 +404,12 @@ def profile_views(beton: Path, groups: list, canvas: int, batch_size: int, worke
     batches = [(b[0], torch.stack([b[3], b[4]], 1)) for b in ffcv_batches(loader, order)]
     decode_ms = 1000 * (time.perf_counter() - start) / len(batches)
     generator = torch.Generator().manual_seed(0)
-    augment_views(batches[0][0], batches[0][1], groups, (0.5,) * 3, (0.25,) * 3, generator)
+    augment_views(batches[0][0], batches[0][1], groups, (0.5,) * 3, (0.25,) * 3, generator,
+                  None if canvas else batches[0][1])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for canvas_, hw in batches:
-            augment_views(canvas_, hw, groups, (0.5,) * 3, (0.25,) * 3, generator)
-    rows = [("FFCV decode + stretch to canvas", decode_ms)]
+            augment_views(canvas_, hw, groups, (0.5,) * 3, (0.25,) * 3, generator, None if canvas else hw)
+    rows = [("FFCV decode" + (" + stretch to canvas" if canvas else ", the image padded into the batch"), decode_ms)]
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
     rows += [(f"torch {e.key}", e.self_cpu_time_total / 1000 / len(batches)) for e in events]
     return rows
@@ -417,15 +424,16 @@ def run_imagenet_loader_benchmark(args: argparse.Namespace) -> dict:
 
     folder, beton, described = benchmark_images(Path(args.data_dir), args.images, args.photos, args.photo_size,
                                                 args.workers)
-    recipes = imagenet_recipes()
+    recipes = {name: groups for name, groups in imagenet_recipes().items() if name in args.recipes}
     loaders = ("decode once", "decode per view", "torchvision")
+    swept = [r for r in ("SimCLR 2x224", "DINO 2x224+6x96") if r in recipes]
     cases = [{"recipe": r, "loader": loader, "canvas": args.canvas if loader == "decode once" else None,
               "device": "cpu"} for r in recipes for loader in loaders]
     # the host's share of a GPU run; torchvision's is all of its work, the case above
     cases += [{"recipe": r, "loader": loader, "canvas": args.canvas if loader == "decode once" else None,
                "device": "meta"} for r in recipes for loader in loaders[:2]]
-    cases += [{"recipe": r, "loader": "decode once", "canvas": c, "device": "cpu"}
-              for r in ("SimCLR 2x224", "DINO 2x224+6x96") for c in args.canvas_sweep if c != args.canvas]
+    cases += [{"recipe": r, "loader": "decode once", "canvas": c, "device": device}
+              for device in ("cpu", "meta") for r in swept for c in args.canvas_sweep if c != args.canvas]
     print(f"{described}\n1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for case in cases:
@@ -459,7 +467,8 @@ def run_imagenet_loader_benchmark(args: argparse.Namespace) -> dict:
         cores = "/".join(f"{GPU_FEED_RATE * m / 1000:.0f}" for m in ms)
         print(f"{recipe:<22}{ms[0]:>13.2f}{ms[1]:>10.2f}{ms[2]:>13.2f}{cores:>18}{ms[0] / ms[1]:>15.2f}"
               f"{'<' + format(1 / views[recipe], '.2f'):>7}{ms[0] / ms[2]:>9.3f}{'<0.1':>6}")
-    print(f"\n2. on the CPU: images / CPU second (images / wall second), canvas {args.canvas}, {args.workers} workers")
+    print(f"\n2. on the CPU: images / CPU second (images / wall second), decode once "
+          f"{f'to a {args.canvas} px canvas' if args.canvas else 'to the image itself'}, {args.workers} workers")
     print(f"{'recipe':<22}{'decode once':>18}{'decode per view':>18}{'torchvision':>18}{'once/per view':>15}"
           f"{'once/tv':>9}")
     for recipe in recipes:
@@ -470,22 +479,27 @@ def run_imagenet_loader_benchmark(args: argparse.Namespace) -> dict:
     cost = {loader: {r: 1 / rate(r, loader) for r in recipes} for loader in loaders}
     print("\ncost per image of the larger pool over the recipe it extends, on the CPU (goal for decode once: "
           "4x224 / 2x224 <= 1.5)")
-    print(f"{'loader':<18}{'4x224 / 2x224':>16}{'DINO pool / 8 views':>22}")
+    pools = [(name, pool, base) for name, pool, base in (("4x224 / 2x224", "SimCLR HVS 4x224", "SimCLR 2x224"),
+                                                         ("DINO pool / 8 views", "DINO HVS 4x224+16x96",
+                                                          "DINO 2x224+6x96")) if pool in recipes and base in recipes]
+    print(f"{'loader':<18}" + "".join(f"{name:>22}" for name, _, _ in pools))
     for loader, c in cost.items():
-        print(f"{loader:<18}{c['SimCLR HVS 4x224'] / c['SimCLR 2x224']:>16.2f}"
-              f"{c['DINO HVS 4x224+16x96'] / c['DINO 2x224+6x96']:>22.2f}")
-    print("\ncanvas size: the share of views upsampled (crop smaller than the view on the canvas), exact geometry; "
-          "images / CPU second where timed")
-    for recipe in ("SimCLR 2x224", "DINO 2x224+6x96"):
-        for canvas in sorted({args.canvas, 256, 512, *args.canvas_sweep}):
-            timed = [r for r in rows if r["recipe"] == recipe and r["loader"] == "decode once" and r["canvas"] == canvas
-                     and r["device"] == "cpu"]
-            speed = f"{timed[0]['images_per_cpu_s']:7.0f} images/CPU-s, " if timed else ""
-            print(f"{recipe:<22}canvas {canvas:>4}: {speed}{100 * upsampled_share(recipes[recipe], canvas):5.1f}% "
-                  f"upsampled (source: {100 * upsampled_share(recipes[recipe], None):.1f}%)")
-    profile = profile_views(beton, recipes["SimCLR 2x224"], args.canvas, args.batch_size, args.workers)
-    print(f"\nwhere a SimCLR 2x224 batch of {args.batch_size} goes on the CPU (ms per batch, decode-once, canvas "
-          f"{args.canvas}):")
+        print(f"{loader:<18}" + "".join(f"{c[pool] / c[base]:>22.2f}" for _, pool, base in pools))
+    print("\ncanvas: the share of views upsampled (crop smaller than the view on the canvas; exact geometry), and "
+          "images / CPU second on the CPU and on the GPU path's host side where timed")
+    for recipe in swept:
+        for canvas in sorted({args.canvas, 256, 384, 512, *args.canvas_sweep}):
+            timed = {r["device"]: r["images_per_cpu_s"] for r in rows if r["recipe"] == recipe
+                     and r["loader"] == "decode once" and r["canvas"] == canvas}
+            speed = (f"{timed['cpu']:6.0f} on the CPU, {timed['meta']:6.0f} host side; " if len(timed) == 2 else
+                     " " * 39)
+            name = f"canvas {canvas:>4}" if canvas else "decoded image"
+            print(f"{recipe:<22}{name:<14}{speed}{100 * upsampled_share(recipes[recipe], canvas or None):5.1f}% "
+                  "upsampled")
+    profiled = next(iter(recipes))
+    profile = profile_views(beton, recipes[profiled], args.canvas, args.batch_size, args.workers)
+    print(f"\nwhere a {profiled} batch of {args.batch_size} goes on the CPU (ms per batch, decode once, "
+          f"{f'canvas {args.canvas}' if args.canvas else 'from the decoded image'}):")
     for name, ms in profile:
         print(f"  {name:<60}{ms:9.1f}")
     return {"command": "loader", "recipe_set": "imagenet", "images": described, "batch_size": args.batch_size,

@@ -31,7 +31,7 @@ class DataConfig:
     backend: str = "ffcv"                    # ffcv | torchvision (torchvision reads an image folder)
     batch_size: int = 256                    # per process (micro-batch); global = this x processes x grad_accum
     num_workers: int = 2
-    canvas_size: int = 32                    # side of the decoded image that views are cropped from
+    canvas_size: int = 32                    # side of the decoded image that views are cropped from; 0: the image as decoded
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
     views: list[ViewGroup] = field(default_factory=lambda: [ViewGroup()])
@@ -147,7 +147,7 @@ CHOICES = {
 NUMBER_RANGES = (
     ("data.batch_size", ">=", 1, "images per process"),
     ("data.num_workers", ">=", 0, "loader worker processes"),
-    ("data.canvas_size", ">=", 1, "pixels"),
+    ("data.canvas_size", ">=", 0, "pixels, or 0 for the decoded image itself"),
     ("optim.lr", ">", 0, "the peak lr at a global batch of 256"),
     ("optim.min_lr", ">=", 0, "the cosine's final lr"),
     ("optim.warmup_epochs", ">=", 0, "epochs"),

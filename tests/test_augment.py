@@ -64,7 +64,7 @@ def test_gaussian_blur_is_the_dense_2d_convolution_with_reflected_borders():
 def test_each_large_view_is_its_own_antialiased_resize_of_the_rounded_crop():
     """The one-by-one path writes view k into slot k of one channel-first float batch: exactly the uint8 resize
     of its rounded crop, mirrored when flipped, times the pixel scale."""
-    canvas, *_ = reference_inputs()
+    canvas = reference_inputs()[0][:2]                                   # two images, two views each
     boxes = torch.tensor([[0.1, 0.2, 0.6, 0.9], [0.0, 0.0, 1.0, 1.0], [0.55, 0.05, 0.95, 0.45], [0.3, 0.3, 0.7, 0.8]],
                          dtype=torch.float64)
     flip = torch.tensor([False, True, True, False])
@@ -98,3 +98,24 @@ def test_freed_memory_is_kept_for_reuse_unless_asked_not_to():
     left = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
                           env={**os.environ, "HARDVIEW_MALLOC": "default"})
     assert applied.stdout.strip() == "True" and left.stdout.strip() == "False"
+
+
+def test_views_cut_from_padded_decoded_images_never_read_the_padding():
+    """`canvas_size` 0: each image sits in the top-left corner of a batch padded to the largest one. Whatever the
+    padding holds, both resize paths (40 px one by one, 12 px by matmuls) draw the same views; a whole-image
+    view without jitter is the image itself resized."""
+    canvas, _, groups, mean, std = reference_inputs()
+    extent = torch.tensor([[72, 72], [50, 64], [64, 30], [33, 41]])       # the images' own heights and widths
+    views = {}
+    for fill in (0, 255):
+        padded = canvas.clone()
+        for k, (height, width) in enumerate(extent.tolist()):
+            padded[k, height:], padded[k, :, width:] = fill, fill
+        views[fill], _ = augment_views(padded, extent, groups, mean, std, torch.Generator().manual_seed(0), extent)
+    assert all(torch.equal(a, b) for a, b in zip(views[0], views[255]))
+    whole = ViewGroup(count=1, size=40, scale=(1.0, 1.0), ratio=(0.1, 10.0), flip_p=0.0, jitter_p=0.0, grayscale_p=0.0)
+    drawn, _ = augment_views(canvas, extent, [whole], (0.0,) * 3, (1.0,) * 3, torch.Generator().manual_seed(0), extent)
+    height, width = extent[1].tolist()
+    image = canvas[1:2, :height, :width].permute(0, 3, 1, 2)
+    expected = F.interpolate(image, size=(40, 40), mode="bilinear", antialias=True, align_corners=False).float() / 255
+    assert torch.allclose(drawn[0][1, 0], expected[0], atol=1e-6)

@@ -136,6 +136,38 @@ def test_each_image_is_decoded_once_however_many_views(dataset, monkeypatch):
     assert len(decoded) == 40
 
 
+def test_the_loader_on_the_meta_device_is_the_host_side_of_a_gpu_run(dataset, ffcv_loader):
+    """`python -m pretrain.bench loader --sizes imagenet` times the host's share of a GPU run with the same loader on
+    device "meta": the same batches, every tensor shape-only (a meta tensor holds no values)."""
+    host_only = build_view_loader(dataset["beton"], GROUPS, 8, canvas_size=32, num_workers=1, seed=3, device="meta")
+    assert np.array_equal(host_only.epoch_indices(1), ffcv_loader.epoch_indices(1))
+    on_meta, on_cpu = list(host_only.epoch(1)), list(ffcv_loader.epoch(1))
+    assert len(on_meta) == len(on_cpu) == 5
+    for meta_batch, cpu_batch in zip(on_meta, on_cpu):
+        assert [v.shape for v in meta_batch.views] == [v.shape for v in cpu_batch.views]
+        assert [b.shape for b in meta_batch.boxes] == [b.shape for b in cpu_batch.boxes]
+        assert all(t.device.type == "meta" for t in [*meta_batch.views, *meta_batch.boxes, meta_batch.labels])
+
+
+def test_canvas_size_0_hands_the_decoded_images_themselves_to_the_views(tmp_path, dataset):
+    """A raw (lossless) .beton: with `canvas_size` 0 the decoder's batch holds every image's own pixels, unresized,
+    in the top-left corner of a batch padded to the largest stored height and width; the loader draws views."""
+    from pretrain.data.ffcv_loader import build_ffcv_loader, ffcv_batches
+
+    beton = tmp_path / "raw.beton"
+    write_image_folder(dataset["folder"], beton, write_mode="raw", workers=1)
+    paths, _, _ = list_image_folder(dataset["folder"])
+    loader = build_ffcv_loader(beton, 0, 8, 1, drop_last=False)
+    canvas, _, indices, heights, widths = next(iter(ffcv_batches(loader, np.arange(8))))
+    assert canvas.shape == (8, max(h for h, _ in IMAGE_SHAPES), max(w for _, w in IMAGE_SHAPES), 3)
+    for k, index in enumerate(indices.tolist()):
+        source = np.asarray(Image.open(paths[index]).convert("RGB"))
+        assert (heights[k], widths[k]) == source.shape[:2]
+        assert np.array_equal(canvas[k, :heights[k], :widths[k]].numpy(), source)
+    views = next(iter(build_view_loader(beton, GROUPS, 8, canvas_size=0, num_workers=1).epoch(0)))
+    check_batch(views, dataset, 8)
+
+
 def test_torchvision_backend_has_the_same_shapes_and_semantics(dataset):
     loader = build_view_loader(dataset["folder"], GROUPS, 8, backend="torchvision", num_workers=1, seed=3)
     ffcv = build_view_loader(dataset["beton"], GROUPS, 8, canvas_size=32, num_workers=1, seed=3)

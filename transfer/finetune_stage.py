@@ -136,11 +136,12 @@ def resolve_inputs(cfg: DictConfig, run: str | None, checkpoint: str | None, sta
     fraction = parse_label_fraction(cfg.data.label_fraction)
     out_dir = Path(run) if run is not None else checkpoint_path.parent
     name = f"{cfg.name}_{label_fraction_name(fraction)}_{start}_step{export.step:07d}"
+    canvas_size = cfg.data.canvas_size if cfg.data.canvas_size is not None else exported.get("canvas_size")  # 0 counts
     return FinetuneInputs(
         export=export, checkpoint=checkpoint_path, out_dir=out_dir, start=start, train_path=train_path,
         val_path=val_path, backend=backend, train_labels=train_labels, num_classes=num_classes,
         num_val=len(val_labels), label_fraction=fraction, image_size=int(image_size),
-        canvas_size=int(cfg.data.canvas_size or exported.get("canvas_size") or image_size),
+        canvas_size=int(image_size if canvas_size is None else canvas_size),
         crop_fraction=float(cfg.data.eval_crop_fraction or evaluation_crop_fraction(export.config)),
         mean=tuple(mean), std=tuple(std), finetune_dir=out_dir / "finetune" / name)
 

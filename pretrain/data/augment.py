@@ -18,6 +18,8 @@ training device:
    and resized with PyTorch's antialiased bilinear kernel on the uint8 canvas (vectorised for channels-last
    uint8: 10-30x faster than the matmuls for 96-224 px views, 2x at 32 px, slower only for tiny views); the
    crop box is then rounded to whole canvas pixels (the recorded box stays exact: < 1 canvas pixel apart).
+   Either way the views land in one channel-first float batch, the layout the model reads, and every later
+   step works on it in place or on the chosen views only: no concatenation, no layout copy.
 3. Colour jitter with probability `jitter_p` in a FIXED order brightness -> contrast -> saturation -> hue
    (torchvision draws a random order), then grayscale with `grayscale_p`. All five are affine maps of RGB,
    so they are composed into one per-view 3x3 matrix + offset and applied in one batched matmul, clamped
@@ -28,7 +30,9 @@ Hue is shifted by rotating the chroma plane in YIQ space by `2 * pi * h` (h unif
 a linear approximation of torchvision's HSV hue shift that avoids the piecewise RGB <-> HSV conversion.
 
 Every random parameter (boxes, flips, factors, masks) is drawn per view from one CPU `torch.Generator`, so a
-batch is reproducible from the generator state whatever the device.
+batch is reproducible from the generator state whatever the device. On a GPU the host's part is that drawing,
+the per-view colour matrices and the canvas copy (`canvas_to_device`); on the "meta" device only that part runs,
+which is how `python -m pretrain.bench loader --sizes imagenet` measures a GPU run's host side on CPUs.
 """
 from __future__ import annotations
 
@@ -115,18 +119,22 @@ def grayscale(images: torch.Tensor) -> torch.Tensor:
     return (LUMA_WEIGHTS[0] * r + LUMA_WEIGHTS[1] * g + LUMA_WEIGHTS[2] * b).unsqueeze(1)
 
 
-def resize_weights(starts: torch.Tensor, lengths: torch.Tensor, source_size: int, output_size: int) -> torch.Tensor:
+def resize_weights(starts: torch.Tensor, lengths: torch.Tensor, source_size: int, output_size: int,
+                   limits: torch.Tensor | None = None) -> torch.Tensor:
     """Antialiased linear-interpolation matrices for 1-D crops: (K,) crop starts / lengths in source pixels
     -> (K, output_size, source_size) rows that sum to 1.
 
     A triangle filter whose support widens with the downscale factor (as PIL's and torchvision's
-    antialiased bilinear resize), so large crops are averaged rather than aliased.
+    antialiased bilinear resize), so large crops are averaged rather than aliased. `limits` (K,): pixels from
+    there on are not the view's image (a batch padded to its largest image) and get no weight, as past the edge.
     """
     step = lengths / output_size
     centres = starts[:, None] + (torch.arange(output_size, dtype=starts.dtype, device=starts.device) + 0.5) * step[:, None]
     support = step.clamp(min=1.0)[:, None, None]
     source_centres = torch.arange(source_size, dtype=starts.dtype, device=starts.device) + 0.5
     weights = (1 - (source_centres[None, None, :] - centres[:, :, None]).abs() / support).clamp_(min=0)
+    if limits is not None:
+        weights = weights * (source_centres[None, None, :] < limits.to(weights.dtype)[:, None, None])
     return weights / weights.sum(dim=2, keepdim=True)
 
 
@@ -134,30 +142,39 @@ PER_VIEW_MIN_SIZE = 32        # on the CPU, views this large or larger are resiz
 
 
 def crop_resize_flip(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
-                     flip: torch.Tensor, pixel_scale: float = 1.0) -> torch.Tensor:
+                     flip: torch.Tensor, pixel_scale: float = 1.0, extent: torch.Tensor | None = None) -> torch.Tensor:
     """Crop every box from its canvas, resize to size x size (antialiased bilinear) and mirror flipped views.
 
-    canvas: (B, S, S, 3) uint8 or float, channels last as decoded; boxes: (B * n, 4) CPU fractions of the image
+    canvas: (B, H, W, 3) uint8 or float, channels last as decoded; boxes: (B * n, 4) CPU fractions of the image
     (rows b * n .. b * n + n - 1 belong to image b); flip: (B * n,) bool; pixel_scale multiplies every pixel
-    (e.g. 1 / 255).
+    (e.g. 1 / 255); extent: (B, 2) CPU heights and widths of the image in each canvas's top-left corner (a batch
+    padded to its largest image), None when each image fills its canvas.
     Returns float (B * n, 3, size_y, size_x), contiguous: the layout the model reads, written once.
     """
     if canvas.device.type == "cpu" and size >= PER_VIEW_MIN_SIZE:
-        return crop_resize_flip_one_by_one(canvas, boxes, views_per_image, size, flip, pixel_scale)
-    views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale)   # (K, y, x, 3)
-    return views.permute(0, 3, 1, 2).contiguous()
+        return crop_resize_flip_one_by_one(canvas, boxes, views_per_image, size, flip, pixel_scale, extent)
+    views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale, extent)
+    return views.permute(0, 3, 1, 2).contiguous()                                           # from (K, y, x, 3)
+
+
+def view_extents(canvas: torch.Tensor, extent: torch.Tensor | None, views_per_image: int) -> torch.Tensor:
+    """(B * n, 2) float64 CPU height and width of each view's image on its canvas (`crop_resize_flip`'s extent)."""
+    if extent is None:
+        extent = torch.tensor([canvas.shape[1:3]]).expand(canvas.shape[0], 2)
+    return extent.to("cpu", torch.float64).repeat_interleave(views_per_image, dim=0)
 
 
 def crop_resize_flip_one_by_one(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
-                                flip: torch.Tensor, pixel_scale: float = 1.0) -> torch.Tensor:
+                                flip: torch.Tensor, pixel_scale: float = 1.0,
+                                extent: torch.Tensor | None = None) -> torch.Tensor:
     """`crop_resize_flip` on the CPU for views of PER_VIEW_MIN_SIZE px and more: each box rounded to whole canvas
     pixels, cropped, and resized by `F.interpolate(antialias=True)` on the uint8 canvas when it is one (uint8
     until the last step), then converted to float straight into its slot of one preallocated channel-first batch:
     no concatenation, no layout copy of its own. The scale is one `mul_` over the batch afterwards:
     `torch.mul(uint8, scale, out=float)` would fold it into the copy but takes 10x longer than `copy_`."""
-    batch, canvas_h, canvas_w, _ = canvas.shape
-    planes = canvas.permute(0, 3, 1, 2)                    # (B, 3, S, S) with channels-last memory, no copy
-    pixels = (boxes.to(torch.float64) * torch.tensor([canvas_w, canvas_h, canvas_w, canvas_h])).round().long()
+    planes = canvas.permute(0, 3, 1, 2)                    # (B, 3, H, W) with channels-last memory, no copy
+    heights, widths = view_extents(canvas, extent, views_per_image).unbind(1)
+    pixels = (boxes.to(torch.float64) * torch.stack([widths, heights, widths, heights], dim=1)).round().long()
     views = torch.empty(boxes.shape[0], 3, size, size)
     for k, ((x0, y0, x1, y1), mirrored) in enumerate(zip(pixels.tolist(), flip.tolist())):
         x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)
@@ -169,7 +186,8 @@ def crop_resize_flip_one_by_one(canvas: torch.Tensor, boxes: torch.Tensor, views
 
 
 def crop_resize_flip_by_matmuls(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
-                                flip: torch.Tensor, pixel_scale: float = 1.0) -> torch.Tensor:
+                                flip: torch.Tensor, pixel_scale: float = 1.0,
+                                extent: torch.Tensor | None = None) -> torch.Tensor:
     """`crop_resize_flip` as two batched matmuls (GPUs, and small views on the CPU). Separable: one batched
     matmul over canvas rows (the n views of an image share its canvas, no copy), one over columns (the flip is
     the column matrix reversed), instead of a gather + sampler. The interpolation matrices are built on the
@@ -179,8 +197,13 @@ def crop_resize_flip_by_matmuls(canvas: torch.Tensor, boxes: torch.Tensor, views
     batch, canvas_h, canvas_w, channels = canvas.shape
     view_count = boxes.shape[0]
     boxes = boxes.to(canvas.device, torch.float32)
-    rows = resize_weights(boxes[:, 1] * canvas_h, (boxes[:, 3] - boxes[:, 1]) * canvas_h, canvas_h, size)
-    cols = resize_weights(boxes[:, 0] * canvas_w, (boxes[:, 2] - boxes[:, 0]) * canvas_w, canvas_w, size)
+    extent = view_extents(canvas, extent, views_per_image)
+    heights, widths = extent.to(canvas.device, torch.float32).unbind(1)
+    padded = bool((extent[:, 0] < canvas_h).any() or (extent[:, 1] < canvas_w).any())
+    rows = resize_weights(boxes[:, 1] * heights, (boxes[:, 3] - boxes[:, 1]) * heights, canvas_h, size,
+                          heights if padded else None)
+    cols = resize_weights(boxes[:, 0] * widths, (boxes[:, 2] - boxes[:, 0]) * widths, canvas_w, size,
+                          widths if padded else None)
     cols = torch.where(flip.to(canvas.device).view(-1, 1, 1), cols.flip(1), cols)
     rows = (rows * pixel_scale).view(batch, views_per_image * size, canvas_h)
     resized_rows = torch.bmm(rows, canvas.reshape(batch, canvas_h, canvas_w * channels))  # (B, n * y, S * 3)
@@ -262,10 +285,10 @@ def check_view_group(group: ViewGroup) -> None:
         raise ValueError(f"ViewGroup.blur_sigma must satisfy 0 < min <= max, got {sigma}; e.g. use [0.1, 2.0].")
 
 
-def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGroup,
-                  generator: torch.Generator, pixel_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one group of views from canvases (B, S, S, 3), uint8 or float, whose pixels times `pixel_scale` lie in
-    [0, 1].
+def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGroup, generator: torch.Generator,
+                  pixel_scale: float = 1.0, extent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one group of views from canvases (B, H, W, 3), uint8 or float, whose pixels times `pixel_scale` lie in
+    [0, 1]; `extent` as in `crop_resize_flip`.
 
     Returns views (B, n, 3, size, size) in [0, 1] (not normalised) and boxes (B, n, 4) float32 on canvas.device.
     """
@@ -298,7 +321,7 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
     if device.type == "meta":      # the host's share of a GPU run (canvas_to_device): the device work left out
         return torch.empty(batch, n, 3, size, size, device=device), boxes_out
 
-    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale)         # (K, 3, y, x), contiguous
+    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale, extent)     # (K, 3, y, x), contiguous
     pixels = views.view(view_count, 3, size * size)
 
     if coloured:                               # one batched 3 x 3 matmul + offset per view, into a new buffer
@@ -351,12 +374,16 @@ def normalise(images: torch.Tensor, mean: Sequence[float], std: Sequence[float])
 
 def augment_views(canvas: torch.Tensor, source_hw: torch.Tensor, groups: list[ViewGroup],
                   mean: Sequence[float], std: Sequence[float],
-                  generator: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                  generator: torch.Generator, extent: torch.Tensor | None = None
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Draw every view of every group from a batch of decoded canvases.
 
-    canvas:    uint8 (B, S, S, 3) or (B, 3, S, S), or float in [0, 1] in either layout, on the device where
-               the views should be made: each image stretched whole to the S x S canvas.
+    canvas:    uint8 (B, H, W, 3) or (B, 3, H, W), or float in [0, 1] in either layout, on the device where
+               the views should be made: each image stretched whole to the canvas, or (with `extent`) as
+               decoded in its top-left corner.
     source_hw: (B, 2) source image heights and widths in pixels (for aspect ratios in source pixels).
+    extent:    (B, 2) CPU heights and widths of the image in each canvas (a batch padded to its largest
+               image: the loader's `canvas_size` 0); None when each image fills its canvas.
     groups:    the view recipe.
     mean, std: per-channel normalisation.
     generator: CPU torch.Generator driving every random choice.
@@ -374,7 +401,7 @@ def augment_views(canvas: torch.Tensor, source_hw: torch.Tensor, groups: list[Vi
     pixel_scale = 1 / 255 if canvas.dtype == torch.uint8 else 1.0      # rides on the resize
     all_views, all_boxes = [], []
     for group in groups:
-        views, boxes = augment_group(canvas, source_hw, group, generator, pixel_scale)
+        views, boxes = augment_group(canvas, source_hw, group, generator, pixel_scale, extent)
         all_views.append(normalise(views, mean, std))
         all_boxes.append(boxes)
     return all_views, all_boxes

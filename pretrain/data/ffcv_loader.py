@@ -59,21 +59,26 @@ DECODE_STEPS = {"imdecode": imdecode, "memcpy": memcpy, "resize_crop": resize_cr
 
 
 class CanvasDecoder(SimpleRGBImageDecoder):
-    """Decode each image once and resize the whole of it (stretch, no crop) to a `canvas_size` square.
+    """Decode each image once; then either resize the whole of it (stretch, no crop) to a `canvas_size` square,
+    or, with `canvas_size` 0, keep it as decoded, in the top-left corner of a batch padded to the largest stored
+    image (the views are then cut from the source pixels, and the host does no resize at all).
 
-    Works for variable-size datasets; output is uint8 (B, canvas_size, canvas_size, 3), channels last.
+    Works for variable-size datasets; output is uint8 (B, S, S, 3), or (B, largest height, largest width, 3) with
+    `canvas_size` 0, channels last (the padding is left as it is: no view reads it).
     """
 
     def __init__(self, canvas_size: int):
         super().__init__()
-        if canvas_size < 1:
-            raise ValueError(f"canvas_size must be a positive number of pixels, got {canvas_size}.")
+        if canvas_size < 0:
+            raise ValueError(f"canvas_size must be a number of pixels, or 0 for the decoded image itself; got "
+                             f"{canvas_size}.")
         self.canvas_size = int(canvas_size)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, tuple[AllocationQuery, AllocationQuery]]:
         max_height = np.uint64(self.metadata["height"].max())
         max_width = np.uint64(self.metadata["width"].max())
-        canvas_shape = (self.canvas_size, self.canvas_size, 3)
+        canvas_shape = ((self.canvas_size, self.canvas_size, 3) if self.canvas_size
+                        else (int(max_height), int(max_width), 3))
         uint8 = np.dtype("<u1")
         return (replace(previous_state, jit_mode=True, shape=canvas_shape, dtype=uint8),
                 (AllocationQuery(canvas_shape, uint8),
@@ -86,6 +91,7 @@ class CanvasDecoder(SimpleRGBImageDecoder):
         imdecode_c = Compiler.compile(DECODE_STEPS["imdecode"])
         memcpy_c = Compiler.compile(DECODE_STEPS["memcpy"])
         resize_c = Compiler.compile(DECODE_STEPS["resize_crop"])
+        stretch = self.canvas_size > 0
 
         def decode(batch_indices, storage, metadata, storage_state):
             destination, decoded_storage = storage
@@ -99,7 +105,12 @@ class CanvasDecoder(SimpleRGBImageDecoder):
                     imdecode_c(image_data, decoded, height, width, height, width, 0, 0, 1, 1, False, False)
                 else:
                     memcpy_c(image_data, decoded)
-                resize_c(decoded.reshape(height, width, 3), 0, height, 0, width, destination[dst_ix])
+                if stretch:
+                    resize_c(decoded.reshape(height, width, 3), 0, height, 0, width, destination[dst_ix])
+                else:                 # row by row: numba's 3-D slice assignment copies byte by byte
+                    rows = decoded.reshape(height, width * 3)
+                    for row in range(height):
+                        memcpy_c(rows[row], destination[dst_ix, row].reshape(-1)[:width * 3])
             return destination[:len(batch_indices)]
 
         decode.is_parallel = True
@@ -203,10 +214,18 @@ def usable_workers(num_workers: int) -> int:
 
 def build_ffcv_loader(path: str | Path, canvas_size: int, batch_size: int, num_workers: int,
                       drop_last: bool, memory_budget_bytes: int | None = None) -> ReorderableLoader:
-    """An FFCV loader over every field of a pretrain .beton, images decoded to canvases. Refuses (DatasetError)
+    """An FFCV loader over every field of a pretrain .beton, images decoded to canvases (`canvas_size` 0: as decoded,
+    padded to the largest stored image; see `CanvasDecoder`). Refuses (DatasetError)
     a file that is not a complete pretrain .beton, or whose decode buffers would not fit in memory."""
     check_beton_fields(path)
-    check_decode_memory(path, batch_size, canvas_size * canvas_size, memory_budget_bytes)
+    if canvas_size:
+        check_decode_memory(path, batch_size, canvas_size * canvas_size, memory_budget_bytes)
+    else:                                   # the output is padded to the largest stored height and width
+        from ffcv.reader import Reader
+
+        metadata = Reader(str(path)).metadata[f"f{FIELD_NAMES.index('image')}"]
+        padded = int(metadata["height"].max()) * int(metadata["width"].max())
+        check_decode_memory(path, batch_size, padded, memory_budget_bytes)
     integer_pipeline = [IntDecoder(), ToTensor()]
     pipelines = {"image": [CanvasDecoder(canvas_size), ToTensor()], "label": list(integer_pipeline),
                  "index": [IntDecoder(), ToTensor()], "height": [IntDecoder(), ToTensor()],

@@ -141,8 +141,10 @@ class FFCVViewLoader(ViewLoader):
         batches = ffcv_batches(self.ffcv_loader, self.epoch_indices(epoch, start_batch))
         for batch, (canvas, labels, indices, heights, widths) in enumerate(batches, start=start_batch):
             canvas = canvas_to_device(canvas, self.device)
-            views, boxes = augment_views(canvas, torch.stack([heights, widths], dim=1), self.groups,
-                                         self.mean, self.std, self.augmentation_generator(epoch, batch))
+            source_hw = torch.stack([heights, widths], dim=1)
+            views, boxes = augment_views(canvas, source_hw, self.groups, self.mean, self.std,
+                                         self.augmentation_generator(epoch, batch),
+                                         extent=None if self.canvas_size else source_hw)
             yield ViewBatch(views=views, boxes=boxes, labels=labels.to(self.device),
                             indices=indices.to(self.device))
 
@@ -187,7 +189,9 @@ def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int
     groups:      the view recipe: every image yields, per group, `count` views of `size` px.
     batch_size:  images per batch on this rank.
     canvas_size: side of the square each image is stretched to once before cropping (ffcv backend); at
-                 least the source resolution keeps full detail for small crops.
+                 least the source resolution keeps full detail for small crops. 0: no canvas, the views are
+                 cut from each decoded image itself (a batch padded to the largest stored image), and on a
+                 GPU run the host only decodes.
     mean, std:   normalisation of the views.
     seed, rank, world_size: ordering and sharding (see module docstring).
     batches_per_step: micro-batches per optimizer step; an epoch holds whole steps (with drop_last).
