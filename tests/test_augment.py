@@ -5,10 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.data.augment import (augment_views, canvas_to_device, crop_resize_flip_one_by_one, gaussian_blur)
+from pretrain.data.augment import (augment_views, canvas_to_device, crop_resize_flip_one_by_one, gaussian_blur,
+                                   gaussian_blur_)
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
 
@@ -41,12 +43,20 @@ def test_views_equal_those_of_the_code_before_the_cpu_path_was_rewritten():
         assert torch.equal(got, want)
 
 
-def test_gaussian_blur_is_the_dense_2d_convolution_with_reflected_borders():
-    """Brute force: every output pixel the sum of kernel(dy) * kernel(dx) * the reflected input pixel."""
+@pytest.mark.parametrize("path", ["convolution (GPUs)", "OpenCV in place (CPU)"])
+def test_gaussian_blur_is_the_dense_2d_convolution_with_reflected_borders(path):
+    """Brute force: every output pixel the sum of kernel(dy) * kernel(dx) * the reflected input pixel. The CPU
+    blurs the chosen views in place with OpenCV; other devices use the grouped convolution."""
     images = torch.rand(2, 3, 9, 11, generator=torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.7, 1.6])
     radius = 2
-    blurred = gaussian_blur(images, sigma, 2 * radius + 1)
+    if path.startswith("convolution"):
+        blurred = gaussian_blur(images, sigma, 2 * radius + 1)
+    else:
+        batch = torch.cat([torch.zeros(1, 3, 9, 11), images])            # view 0 is not chosen: left as it is
+        gaussian_blur_(batch, torch.tensor([1, 2]), sigma, 2 * radius + 1)
+        assert torch.equal(batch[0], torch.zeros(3, 9, 11))
+        blurred = batch[1:]
 
     def reflect(i, n):
         return -i if i < 0 else 2 * (n - 1) - i if i >= n else i

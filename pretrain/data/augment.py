@@ -248,19 +248,44 @@ def colour_matrices(brightness: torch.Tensor, contrast: torch.Tensor, saturation
     return matrix, mean_coefficient, luma
 
 
+def gaussian_kernels(sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """(K, kernel_size) float64 CPU 1-D Gaussian kernels, one per sigma (K,), each summing to 1."""
+    radius = kernel_size // 2
+    offsets = torch.arange(-radius, radius + 1, dtype=torch.float64)
+    kernel = torch.exp(-0.5 * (offsets[None, :] / sigma.to(torch.float64)[:, None]) ** 2)
+    return kernel / kernel.sum(dim=1, keepdim=True)
+
+
 def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Blur every (3, H, W) image of `images` with its own sigma (K,), separable kernel, reflect padding."""
     count, channels, height, width = images.shape
     radius = kernel_size // 2
-    offsets = torch.arange(-radius, radius + 1, dtype=torch.float64)
-    kernel = torch.exp(-0.5 * (offsets[None, :] / sigma.to(torch.float64)[:, None]) ** 2)
-    kernel = (kernel / kernel.sum(dim=1, keepdim=True)).to(images.device, images.dtype)
+    kernel = gaussian_kernels(sigma, kernel_size).to(images.device, images.dtype)
     kernel = kernel.repeat_interleave(channels, dim=0)            # (K * 3, kernel_size)
     flat = images.reshape(1, count * channels, height, width)
     flat = F.pad(flat, (radius, radius, radius, radius), mode="reflect")
     flat = F.conv2d(flat, kernel.view(-1, 1, 1, kernel_size), groups=count * channels)
     flat = F.conv2d(flat, kernel.view(-1, 1, kernel_size, 1), groups=count * channels)
     return flat.view(count, channels, height, width)
+
+
+def gaussian_blur_(views: torch.Tensor, chosen: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> None:
+    """Blur views[chosen] (K, 3, H, W) in place, view chosen[i] with sigma[i]: `gaussian_blur`'s arithmetic.
+
+    On the CPU each plane goes through OpenCV's separable filter with the same kernel and border (reflect
+    without repeating the edge, BORDER_REFLECT_101): 5x less CPU time than PyTorch's grouped convolution
+    (oneDNN's depthwise kernel for 1-D filters), the same values to float32 rounding. Elsewhere: the convolution.
+    """
+    if views.device.type != "cpu":
+        on_device = chosen.to(views.device)
+        views.index_copy_(0, on_device, gaussian_blur(views.index_select(0, on_device), sigma, kernel_size))
+        return
+    import cv2
+
+    planes = views.numpy()
+    for view, kernel in zip(chosen.tolist(), gaussian_kernels(sigma, kernel_size).float().numpy()):
+        for plane in planes[view]:
+            cv2.sepFilter2D(plane, -1, kernel, kernel, dst=plane, borderType=cv2.BORDER_REFLECT_101)
 
 
 def check_view_group(group: ViewGroup) -> None:
@@ -331,11 +356,9 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
         pixels = torch.baddbmm(offset.unsqueeze(2), matrix.to(device, dtype), pixels)
     views = pixels.clamp_(0, 1).view(view_count, 3, size, size)
 
-    if blur.any():                             # only the chosen views are read, blurred and written back
+    if blur.any():                             # the chosen views only, in place
         chosen = blur.nonzero().squeeze(1)
-        on_device = chosen.to(device)
-        views.index_copy_(0, on_device, gaussian_blur(views.index_select(0, on_device), sigma[chosen],
-                                                      blur_kernel_size(size)))
+        gaussian_blur_(views, chosen, sigma[chosen], blur_kernel_size(size))
 
     if solarize.any():                         # in place, on the chosen views only
         chosen = solarize.nonzero().squeeze(1).to(device)
