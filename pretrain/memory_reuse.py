@@ -6,6 +6,7 @@ large tensor is then paid for again at every batch: a batch of 128 views of 224 
 about 19,000 pages, each faulted in when first written. Measured on the 2-core machine, that was half the time of
 drawing the views (SimCLR 2 x 224, a batch of 64: 214 ms with glibc's default, 95 ms with this).
 
+The commands that train (`python -m pretrain`, `python -m transfer`) and the benchmarks call it first thing.
 `reuse_freed_memory()` turns glibc's mmap path off (M_MMAP_MAX = 0) and never trims the heap (M_TRIM_THRESHOLD),
 so that freed blocks serve the next batch; the process then keeps the memory of its largest batch. It is what
 PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc, without a library to install. Set

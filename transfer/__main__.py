@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from pretrain.memory_reuse import reuse_freed_memory
+
 COMMANDS: dict[str, str] = {
     "finetune": "transfer.finetune",
     "digit-scenes": "transfer.digit_scenes",
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    reuse_freed_memory()           # as `python -m pretrain` does (pretrain/memory_reuse.py)
     return args.run(args)
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import cv2
 import torch
 import torch.nn.functional as F
 
@@ -280,8 +281,6 @@ def gaussian_blur_(views: torch.Tensor, chosen: torch.Tensor, sigma: torch.Tenso
         on_device = chosen.to(views.device)
         views.index_copy_(0, on_device, gaussian_blur(views.index_select(0, on_device), sigma, kernel_size))
         return
-    import cv2
-
     planes = views.numpy()
     for view, kernel in zip(chosen.tolist(), gaussian_kernels(sigma, kernel_size).float().numpy()):
         for plane in planes[view]:
