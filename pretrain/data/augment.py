@@ -18,8 +18,10 @@ training device:
    and resized with PyTorch's antialiased bilinear kernel on the uint8 canvas (vectorised for channels-last
    uint8: 10-30x faster than the matmuls for 96-224 px views, 2x at 32 px, slower only for tiny views); the
    crop box is then rounded to whole canvas pixels (the recorded box stays exact: < 1 canvas pixel apart).
-   Either way the views land in one channel-first float batch, the layout the model reads, and every later
-   step works on it in place or on the chosen views only: no concatenation, no layout copy.
+   The large views land in one channel-first float batch, the layout the model reads, and every later step
+   works on it in place or on the chosen views only: no concatenation, no layout copy. The small views (the
+   digits runs') keep the arithmetic their results were measured with: colour on channels-last pixels, one
+   copy to channel-first, the blur as a convolution; the same values to float32 rounding, not bit for bit.
 3. Colour jitter with probability `jitter_p` in a FIXED order brightness -> contrast -> saturation -> hue
    (torchvision draws a random order), then grayscale with `grayscale_p`. All five are affine maps of RGB,
    so they are composed into one per-view 3x3 matrix + offset and applied in one batched matmul, clamped
@@ -150,12 +152,13 @@ def crop_resize_flip(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image:
     (rows b * n .. b * n + n - 1 belong to image b); flip: (B * n,) bool; pixel_scale multiplies every pixel
     (e.g. 1 / 255); extent: (B, 2) CPU heights and widths of the image in each canvas's top-left corner (a batch
     padded to its largest image), None when each image fills its canvas.
-    Returns float (B * n, 3, size_y, size_x), contiguous: the layout the model reads, written once.
+    Returns float (B * n, 3, size_y, size_x): contiguous from the CPU's one-by-one path (the layout the model
+    reads, written once), channels-last memory from the matmuls (a permuted view, no copy).
     """
     if canvas.device.type == "cpu" and size >= PER_VIEW_MIN_SIZE:
         return crop_resize_flip_one_by_one(canvas, boxes, views_per_image, size, flip, pixel_scale, extent)
     views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale, extent)
-    return views.permute(0, 3, 1, 2).contiguous()                                           # from (K, y, x, 3)
+    return views.permute(0, 3, 1, 2)                                                        # from (K, y, x, 3)
 
 
 def view_extents(canvas: torch.Tensor, extent: torch.Tensor | None, views_per_image: int) -> torch.Tensor:
@@ -270,14 +273,16 @@ def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -
     return flat.view(count, channels, height, width)
 
 
-def gaussian_blur_(views: torch.Tensor, chosen: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> None:
-    """Blur views[chosen] (K, 3, H, W) in place, view chosen[i] with sigma[i]: `gaussian_blur`'s arithmetic.
+def gaussian_blur_(views: torch.Tensor, chosen: torch.Tensor, sigma: torch.Tensor, kernel_size: int,
+                   opencv: bool = True) -> None:
+    """Blur views[chosen] (K, 3, H, W), contiguous, in place, view chosen[i] with sigma[i]: `gaussian_blur`.
 
-    On the CPU each plane goes through OpenCV's separable filter with the same kernel and border (reflect
-    without repeating the edge, BORDER_REFLECT_101): 5x less CPU time than PyTorch's grouped convolution
-    (oneDNN's depthwise kernel for 1-D filters), the same values to float32 rounding. Elsewhere: the convolution.
+    On the CPU (with `opencv`) each plane goes through OpenCV's separable filter with the same kernel and border
+    (reflect without repeating the edge, BORDER_REFLECT_101): 5x less CPU time than PyTorch's grouped
+    convolution (oneDNN's depthwise kernel for 1-D filters), the same values to float32 rounding. Elsewhere, and
+    for the CPU's small views (whose results, the digits runs', were measured with it): the convolution.
     """
-    if views.device.type != "cpu":
+    if views.device.type != "cpu" or not opencv:
         on_device = chosen.to(views.device)
         views.index_copy_(0, on_device, gaussian_blur(views.index_select(0, on_device), sigma, kernel_size))
         return
@@ -285,6 +290,26 @@ def gaussian_blur_(views: torch.Tensor, chosen: torch.Tensor, sigma: torch.Tenso
     for view, kernel in zip(chosen.tolist(), gaussian_kernels(sigma, kernel_size).float().numpy()):
         for plane in planes[view]:
             cv2.sepFilter2D(plane, -1, kernel, kernel, dst=plane, borderType=cv2.BORDER_REFLECT_101)
+
+
+def colour_views(views: torch.Tensor, matrix: torch.Tensor, mean_coefficient: torch.Tensor,
+                 luma: torch.Tensor) -> torch.Tensor:
+    """x -> M x + u * mean_luma(view) (`colour_matrices`) for every view (K, 3, H, W), as one batched 3 x 3 matmul
+    in the views' memory layout, into a new tensor of that layout: on channel-first planes (K, 3, H * W), the
+    CPU's large views (2.4x faster than on pixels), or on channels-last pixels (K, H * W, 3), the matmuls' views,
+    whose arithmetic the digits results were measured with (the same values to float32 rounding).
+    """
+    count, _, height, width = views.shape
+    device, dtype = views.device, views.dtype
+    matrix, luma = matrix.to(device, dtype), luma.to(device, dtype)
+    if views.is_contiguous():
+        planes = views.view(count, 3, height * width)
+        offset = mean_coefficient.to(device, dtype) * (planes.mean(dim=2) @ luma)[:, None]
+        return torch.baddbmm(offset.unsqueeze(2), matrix, planes).view(count, 3, height, width)
+    pixels = views.permute(0, 2, 3, 1).reshape(count, height * width, 3)        # a view of channels-last memory
+    offset = mean_coefficient.to(device, dtype) * (pixels.mean(dim=1) @ luma)[:, None]
+    coloured = torch.baddbmm(offset.unsqueeze(1), pixels, matrix.transpose(1, 2))
+    return coloured.view(count, height, width, 3).permute(0, 3, 1, 2)
 
 
 def check_view_group(group: ViewGroup) -> None:
@@ -345,19 +370,15 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
     if device.type == "meta":      # the host's share of a GPU run (canvas_to_device): the device work left out
         return torch.empty(batch, n, 3, size, size, device=device), boxes_out
 
-    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale, extent)     # (K, 3, y, x), contiguous
-    pixels = views.view(view_count, 3, size * size)
-
-    if coloured:                               # one batched 3 x 3 matmul + offset per view, into a new buffer
-        dtype = pixels.dtype
-        mean_luma = pixels.mean(dim=2) @ luma.to(device, dtype)                    # (K,), stays on the device
-        offset = mean_coefficient.to(device, dtype) * mean_luma[:, None]
-        pixels = torch.baddbmm(offset.unsqueeze(2), matrix.to(device, dtype), pixels)
-    views = pixels.clamp_(0, 1).view(view_count, 3, size, size)
+    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale, extent)     # (K, 3, y, x)
+    one_by_one = views.is_contiguous()         # the CPU's large views; else the matmuls' channels-last memory
+    if coloured:
+        views = colour_views(views, matrix, mean_coefficient, luma)
+    views = views.clamp_(0, 1).contiguous()    # channel-first from here on (a copy for the matmuls' views only)
 
     if blur.any():                             # the chosen views only, in place
         chosen = blur.nonzero().squeeze(1)
-        gaussian_blur_(views, chosen, sigma[chosen], blur_kernel_size(size))
+        gaussian_blur_(views, chosen, sigma[chosen], blur_kernel_size(size), opencv=one_by_one)
 
     if solarize.any():                         # in place, on the chosen views only
         chosen = solarize.nonzero().squeeze(1).to(device)
