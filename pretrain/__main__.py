@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.epochs=5")
     args = parser.parse_args(argv)
-    reuse_freed_memory()           # a CPU batch's tensors reuse the last batch's memory (pretrain/memory_reuse.py)
+    reuse_freed_memory()           # with HARDVIEW_MALLOC=reuse: freed memory kept for the next batch (pretrain/memory_reuse.py)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as error:
