@@ -11,9 +11,9 @@ The commands that train (`python -m pretrain`, `python -m transfer`) and the ben
 so that freed blocks serve the next batch; the process then keeps the memory of its largest batch. It is what
 PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc, without a library to install.
 
-It is opt-in: HARDVIEW_MALLOC=reuse. In the test suite a two-process gloo run took 81 s with it against 74 s
-without, and the real-Slurm test (five processes at once) 177 s against 146-148 s: single measurements, but
-enough not to make it the default. The loader benchmark's CPU figures were measured with it on.
+It is opt-in: HARDVIEW_MALLOC=reuse. A two-process gloo test of the suite took 81 s with it against 74 s
+without (one run each, unconfirmed; the whole suite took as long either way), and a process that keeps its peak
+memory is a choice to make, not a default. The loader benchmark's CPU figures were measured with it on.
 On a C library other than glibc it does nothing.
 """
 from __future__ import annotations
