@@ -151,13 +151,18 @@ def check_beton_fields(path: str | Path):
     return reader
 
 
+def stored_image_sizes(path: str | Path) -> np.ndarray:
+    """The image field's metadata of a pretrain .beton: its "height" and "width" columns, one row per image."""
+    from ffcv.reader import Reader
+
+    return Reader(str(path)).metadata[f"f{FIELD_NAMES.index('image')}"]    # FFCV names fields f0, f1, ...
+
+
 def decode_buffer_bytes(path: str | Path, batch_size: int, output_pixels: int) -> tuple[int, int, int]:
     """Bytes FFCV allocates for an epoch over `path`: every decoder slot (batches_ahead + 2 = 5 batches in
     flight) holds, per image of the batch, a buffer for the LARGEST stored image plus the output. Returns
     (bytes, largest height, largest width)."""
-    from ffcv.reader import Reader
-
-    metadata = Reader(str(path)).metadata[f"f{FIELD_NAMES.index('image')}"]    # FFCV names fields f0, f1, ...
+    metadata = stored_image_sizes(path)
     largest = int(np.argmax(metadata["height"].astype(np.int64) * metadata["width"].astype(np.int64)))
     height, width = int(metadata["height"][largest]), int(metadata["width"][largest])
     return FFCV_BATCHES_IN_FLIGHT * batch_size * (height * width * 3 + output_pixels * 3), height, width
@@ -221,9 +226,7 @@ def build_ffcv_loader(path: str | Path, canvas_size: int, batch_size: int, num_w
     if canvas_size:
         check_decode_memory(path, batch_size, canvas_size * canvas_size, memory_budget_bytes)
     else:                                   # the output is padded to the largest stored height and width
-        from ffcv.reader import Reader
-
-        metadata = Reader(str(path)).metadata[f"f{FIELD_NAMES.index('image')}"]
+        metadata = stored_image_sizes(path)
         padded = int(metadata["height"].max()) * int(metadata["width"].max())
         check_decode_memory(path, batch_size, padded, memory_budget_bytes)
     integer_pipeline = [IntDecoder(), ToTensor()]
