@@ -1,29 +1,72 @@
-"""argparse types shared by the command lines (`type=positive_int`): a bad value is refused by argparse in one
-line naming the option, before anything runs."""
+"""argparse types shared by every command line (`type=positive_int`, `type=number(float, above=0, at_most=1)`):
+a bad value is refused by argparse in one line naming the option and the range, before anything runs.
+
+    parser.add_argument("--lr", type=number(float, above=0, at_most=1e3))
+    parser.add_argument("--budgets", type=number_list(int, at_least=1))       # "3,5,10" -> [3, 5, 10]
+
+Every number is finite: `nan`, `inf` and `1e400` are refused, whatever the range.
+"""
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Callable
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+def describe_range(at_least=None, above=None, at_most=None, below=None) -> str:
+    """'a number > 0 and <= 1', 'an integer >= 1', ... (without the noun)."""
+    parts = [f">= {at_least}" if at_least is not None else None, f"> {above}" if above is not None else None,
+             f"<= {at_most}" if at_most is not None else None, f"< {below}" if below is not None else None]
+    return " and ".join(part for part in parts if part)
+
+
+def parse_number(text: str, kind: type = float, *, at_least=None, above=None, at_most=None, below=None):
+    """`text` as a finite `kind` (int or float) in the range; ValueError naming the value and the range."""
+    noun = "an integer" if kind is int else "a number"
+    limits = describe_range(at_least, above, at_most, below)
+    wanted = f"{noun} {limits}".strip()
+    try:
+        value = int(text) if kind is int else float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not {wanted}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not finite; give {wanted}")
+    if ((at_least is not None and value < at_least) or (above is not None and not value > above)
+            or (at_most is not None and value > at_most) or (below is not None and not value < below)):
+        raise ValueError(f"{text} is not {wanted}")
     return value
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not an integer >= 0")
-    return value
+def number(kind: type = float, *, at_least=None, above=None, at_most=None, below=None) -> Callable[[str], float]:
+    """An argparse type: a finite int or float in the given range."""
+    def parse(text: str):
+        try:
+            return parse_number(text, kind, at_least=at_least, above=above, at_most=at_most, below=below)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = f"{kind.__name__} {describe_range(at_least, above, at_most, below)}".strip()
+    return parse
 
 
-def positive_float(text: str) -> float:
-    """A number > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
-    return value
+def number_list(kind: type = float, *, at_least=None, above=None, at_most=None, below=None,
+                minimum_length: int = 1) -> Callable[[str], list]:
+    """An argparse type: comma-separated finite numbers, each in the range ('3,5,10' -> [3, 5, 10])."""
+    def parse(text: str) -> list:
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if len(parts) < minimum_length:
+            raise argparse.ArgumentTypeError(f"{text!r} must hold at least {minimum_length} comma-separated value(s)")
+        try:
+            return [parse_number(part, kind, at_least=at_least, above=above, at_most=at_most, below=below)
+                    for part in parts]
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+
+    parse.__name__ = f"comma-separated {kind.__name__}s"
+    return parse
+
+
+positive_int = number(int, at_least=1)
+non_negative_int = number(int, at_least=0)
+positive_float = number(float, above=0)
+non_negative_float = number(float, at_least=0)
