@@ -25,6 +25,7 @@ from eval.features import load_backbone_export, resolve_device
 from pretrain.config import load_config
 from pretrain.data.digits import write_digits
 from transfer.digit_scenes import write_moved_digits
+from pretrain.argument_types import CommandLineParser
 
 CONFIG = "configs/pretrain/simclr_digits.yaml"
 FINETUNE_CONFIG = "configs/transfer/finetune_digits.yaml"
@@ -43,7 +44,7 @@ def newest_result(run_dir: Path, prefix: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.demo", description=__doc__,
+    parser = CommandLineParser(prog="python -m launch.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default="runs/demo", help="where the demo run goes (default: runs/demo)")
     parser.add_argument("--data-dir", default="data/digits", help="where the digits .beton files go")

@@ -2,8 +2,8 @@
 
 Pretrain an image encoder with a self-supervised method (and optional hard view selection). Runs in one
 process as it is, or in several under `torchrun --nproc-per-node N -m pretrain ...` / `deepspeed`.
-Starting a run whose directory holds a checkpoint resumes it. SIGINT / SIGTERM (Ctrl-C, scancel) and SIGUSR2
-(a scheduler's time-limit warning) finish the optimizer step under way, save a checkpoint and exit; a second
+Starting a run whose directory holds a checkpoint resumes it. SIGINT / SIGTERM (Ctrl-C, scancel), SIGUSR2
+and SIGUSR1 (a scheduler's time-limit warning) finish the optimizer step under way, save a checkpoint and exit; a second
 SIGINT / SIGTERM exits at once.
 
 Exit status: 0 done; 1 training diverged (NaN / inf; the last finite checkpoint is kept); 2 bad input, nothing
@@ -17,10 +17,11 @@ import sys
 
 from pretrain.config import ConfigError, load_config
 from pretrain.memory_reuse import reuse_freed_memory
+from pretrain.argument_types import CommandLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="python -m pretrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
                "  python -m pretrain --config configs/pretrain/simclr_digits.yaml hvs.enabled=true\n"

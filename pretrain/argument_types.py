@@ -10,7 +10,18 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+import sys
+from typing import Callable, NoReturn
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (`PROG: error: argument --x: ...; see PROG --help`, exit status
+    2) instead of the usage block and the error: what every command prints for every other bad input. Sub-commands
+    added with `add_subparsers()` get the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def describe_range(at_least=None, above=None, at_most=None, below=None) -> str:
@@ -20,11 +31,18 @@ def describe_range(at_least=None, above=None, at_most=None, below=None) -> str:
     return " and ".join(part for part in parts if part)
 
 
+def describe_wanted(kind: type, at_least=None, above=None, at_most=None, below=None) -> str:
+    """'a positive integer', 'a number > 0 and <= 1', 'an integer >= 0', ..."""
+    if (kind is int and at_least == 1 or above == 0) and at_most is None and below is None and \
+            (at_least is None or above is None):
+        return f"a positive {'integer' if kind is int else 'number'}"
+    noun = "an integer" if kind is int else "a number"
+    return f"{noun} {describe_range(at_least, above, at_most, below)}".strip()
+
+
 def parse_number(text: str, kind: type = float, *, at_least=None, above=None, at_most=None, below=None):
     """`text` as a finite `kind` (int or float) in the range; ValueError naming the value and the range."""
-    noun = "an integer" if kind is int else "a number"
-    limits = describe_range(at_least, above, at_most, below)
-    wanted = f"{noun} {limits}".strip()
+    wanted = describe_wanted(kind, at_least, above, at_most, below)
     try:
         value = int(text) if kind is int else float(text)
     except (TypeError, ValueError):
@@ -70,3 +88,13 @@ positive_int = number(int, at_least=1)
 non_negative_int = number(int, at_least=0)
 positive_float = number(float, above=0)
 non_negative_float = number(float, at_least=0)
+
+
+def output_folder(text: str) -> str:
+    """A folder to write into (--out-dir): it may not exist yet, but it may not be a file."""
+    from pathlib import Path
+
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; the outputs are written into a folder: pass a folder "
+                                         "(it is created when missing)")
+    return text

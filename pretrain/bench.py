@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.argument_types import non_negative_int, positive_int
+from pretrain.argument_types import CommandLineParser, non_negative_int, positive_int
 from pretrain.memory_reuse import reuse_freed_memory
 
 SIMCLR_SIDE = 32
@@ -673,7 +673,7 @@ def add_gpu_command(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.bench", description="Pretraining benchmarks.")
+    parser = CommandLineParser(prog="python -m pretrain.bench", description="Pretraining benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_loader_command(commands)
     add_hvs_command(commands)

@@ -102,14 +102,20 @@ def test_cli_reports_a_missing_folder_and_has_help(tmp_path):
     assert helped.returncode == 0 and "--max-side" in helped.stdout
 
 
-@pytest.mark.parametrize("command", ["write-digits", "write-fashion-mnist"])
+@pytest.mark.parametrize("command", [["pretrain.data", "write-digits"], ["pretrain.data", "write-fashion-mnist"],
+                                     ["transfer", "digit-scenes"], ["transfer", "digit-scenes", "--moved-digits"]])
 def test_an_out_dir_that_is_a_file_is_refused_in_one_line(tmp_path, capsys, command):
-    from pretrain.data.__main__ import main
+    """The writers' --out-dir, checked by one argparse type (`output_folder`); `transfer digit-scenes` gave
+    FileExistsError's traceback."""
+    import importlib
 
+    main = importlib.import_module(f"{command[0]}.__main__").main
     (tmp_path / "a_file").write_text("x")
-    assert main([command, "--out-dir", str(tmp_path / "a_file")]) == 2
+    with pytest.raises(SystemExit) as refused:
+        main([*command[1:], "--out-dir", str(tmp_path / "a_file")])
     error = capsys.readouterr().err.strip()
-    assert error.splitlines() == [error] and f"--out-dir {tmp_path / 'a_file'} is a file" in error
+    assert refused.value.code == 2 and error.splitlines() == [error], error
+    assert f"argument --out-dir: {tmp_path / 'a_file'} is a file" in error and "--help" in error
     assert (tmp_path / "a_file").read_text() == "x"
 
 
@@ -268,3 +274,104 @@ def test_a_full_disk_ends_the_write_with_the_reason_and_no_partial_file(tmp_path
     assert (tmp_path / "code").read_text().strip() == "2", last_line        # not 124: it did not hang
     assert last_line.startswith("error: ") and "no space left on device" in last_line
     assert (tmp_path / "left").read_text().split() == []                    # no partial .beton keeps the disk full
+
+
+SLOW_WRITE = """
+import sys, time
+import numpy as np
+from pretrain.data.writer import ArrayImageSet, write_beton
+
+def image(i):
+    time.sleep(0.02)                  # 400 images on 2 workers: about 4 s, time to be killed in the middle
+    return np.full((16, 16, 3), i % 255, dtype=np.uint8)
+
+write_beton(sys.argv[1], ArrayImageSet(image, [0] * 400, None), write_mode="raw")
+"""
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (FFCV's writer workers)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return children
+
+
+@pytest.mark.slow
+def test_a_write_killed_with_sigkill_leaves_no_worker_and_the_next_write_removes_what_it_left(tmp_path, capsys):
+    """`kill -9` of the writer used to leave an FFCV worker running on, which kept the shared memory segment
+    (/dev/shm/psm_*) and `.NAME.beton.partial` until the machine restarted. Its workers now die with it; and when the
+    whole process group is killed (its resource tracker too, as Slurm does), the next write removes the partial file
+    and the segment (its name is recorded beside the partial file), and says so."""
+    from pretrain.data.writer import ArrayImageSet, write_beton
+
+    out = tmp_path / "x.beton"
+    partial, record = tmp_path / ".x.beton.partial", tmp_path / ".x.beton.partial.shm"
+
+    def start_and_wait_for_the_workers() -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, str(out)], cwd=REPO_ROOT, start_new_session=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not (record.exists() and record.read_text() and worker_pids(process.pid)):
+            assert process.poll() is None and time.time() < deadline, "the write ended before it was killed"
+            time.sleep(0.05)
+        return process
+
+    # 1. SIGKILL to the writer alone: its workers die too, and its resource tracker frees the segment.
+    process = start_and_wait_for_the_workers()
+    workers, segment = worker_pids(process.pid), record.read_text()
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + 20
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) or Path(f"/dev/shm/{segment}").exists():
+        assert time.time() < deadline, f"workers {workers} or /dev/shm/{segment} outlived the killed write"
+        time.sleep(0.1)
+    assert partial.exists() and not out.exists()
+
+    # 2. SIGKILL to the whole process group: the segment stays, and the next write removes it and the partial file.
+    process = start_and_wait_for_the_workers()
+    segment = record.read_text()
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    time.sleep(0.5)
+    assert Path(f"/dev/shm/{segment}").exists() and partial.exists()
+    capsys.readouterr()
+    write_beton(out, ArrayImageSet(lambda i: np.zeros((8, 8, 3), np.uint8), [0, 1], None), write_mode="raw")
+    note = capsys.readouterr().err
+    assert f"removed {partial} and the shared memory {segment}, left by a write to {out} that was killed" in note
+    assert not Path(f"/dev/shm/{segment}").exists() and not partial.exists() and not record.exists()
+    assert read_fields(out)["label"].tolist() == [0, 1]
+
+
+def test_a_second_write_to_the_same_file_while_one_runs_is_refused(tmp_path):
+    """Two writes to one .beton would write one partial file together; the second is refused by name."""
+    from pretrain.data import DatasetError
+    from pretrain.data.writer import ArrayImageSet, locked_partial_file, write_beton
+
+    out = tmp_path / "x.beton"
+    with locked_partial_file(out):
+        with pytest.raises(DatasetError, match="another write to .*x.beton is in progress"):
+            write_beton(out, ArrayImageSet(lambda i: np.zeros((8, 8, 3), np.uint8), [0], None), write_mode="raw")
+    assert not out.exists() and not (tmp_path / ".x.beton.partial").exists()
+
+
+def test_float_tiffs_are_scaled_from_0_1_or_skipped_by_name(tmp_path):
+    """32-bit float TIFFs (Pillow mode F) were stored black: convert('RGB') clips 0.5 and 0.9 to 0. Values in [0, 1]
+    are scaled by 255; another range is skipped and listed with the reason."""
+    from pretrain.data.writer import read_rgb
+
+    root = tmp_path / "images" / "a"
+    root.mkdir(parents=True)
+    values = np.array([[0.5, 0.9], [0.0, 1.0]], dtype=np.float32)
+    Image.fromarray(values, mode="F").save(root / "unit.tif")
+    Image.fromarray(values * 300, mode="F").save(root / "other_range.tif")
+    Image.fromarray(np.zeros((2, 2, 3), np.uint8)).save(root / "plain.png")
+    assert read_rgb(root / "unit.tif")[..., 0].tolist() == [[128, 229], [0, 255]]     # float32 0.9 x 255 = 229.49
+    assert (read_rgb(root / "unit.tif") == read_rgb(root / "unit.tif")[..., :1]).all()     # gray in R, G, B
+    report = write_image_folder(tmp_path / "images", tmp_path / "f.beton", write_mode="raw")
+    assert report.written == 2 and [Path(path).name for path, _ in report.skipped] == ["other_range.tif"]
+    assert "32-bit float image with values from 0 to 300" in report.skipped[0][1]

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from pretrain.memory_reuse import reuse_freed_memory
+from pretrain.argument_types import CommandLineParser
 
 COMMANDS: dict[str, str] = {
     "finetune": "transfer.finetune",
@@ -22,7 +23,7 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m transfer", description=__doc__,
+    parser = CommandLineParser(prog="python -m transfer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():

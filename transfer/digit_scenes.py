@@ -52,7 +52,7 @@ import cv2
 import numpy as np
 
 from pretrain.data.digits import digits_images, digits_split
-from pretrain.argument_types import non_negative_int, positive_int
+from pretrain.argument_types import non_negative_int, output_folder, positive_int
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -376,7 +376,7 @@ def write_moved_digits(out_dir: str | Path, *, image_size: int = 32, seed: int =
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out-dir", default="data/digit_scenes",
+    parser.add_argument("--out-dir", default="data/digit_scenes", type=output_folder,
                         help="folder for train/, val/, train.json and val.json (default: %(default)s)")
     parser.add_argument("--num-train", type=positive_int, default=DEFAULT_NUM_TRAIN, metavar="N",
                         help="training scenes (default: %(default)s)")

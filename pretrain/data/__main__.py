@@ -5,12 +5,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from pretrain.argument_types import CommandLineParser, output_folder
 from pretrain.data.fashion_mnist import FASHION_MNIST_DIR
 from pretrain.data.writer import DEFAULT_MAX_SIDE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.data",
+    parser = CommandLineParser(prog="python -m pretrain.data",
                                      description="Write image datasets to FFCV .beton files for pretraining.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     digits = commands.add_parser("write-digits", help="Write the embedded digits set to OUT_DIR/{train,val}.beton.",
                                  description="Write scikit-learn's 1797 digits, upsampled to 32x32 RGB, split 80/20 "
                                              "stratified (seed 0), to OUT_DIR/train.beton and OUT_DIR/val.beton.")
-    digits.add_argument("--out-dir", required=True, help="Output folder (e.g. data/digits).")
+    digits.add_argument("--out-dir", required=True, type=output_folder, help="Output folder (e.g. data/digits).")
     digits.add_argument("--force", action="store_true", help="Rewrite even when both .beton files already exist.")
     digits.add_argument("--write-mode", choices=("jpg", "raw"), default="jpg",
                         help="Store images as JPEG or raw uint8 pixels. Default: jpg.")
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "grayscale, stored raw as RGB) to OUT_DIR/train.beton and "
                                               "OUT_DIR/test.beton from the four IDX files of Debian's "
                                               "dataset-fashion-mnist (make install installs it).")
-    fashion.add_argument("--out-dir", required=True, help="Output folder (e.g. data/fashion_mnist).")
+    fashion.add_argument("--out-dir", required=True, type=output_folder, help="Output folder (e.g. data/fashion_mnist).")
     fashion.add_argument("--source-dir", default=str(FASHION_MNIST_DIR),
                          help="Folder with train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
                               "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz. Default: %(default)s.")
@@ -94,10 +95,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(report.summary())
         return 0
-    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
-        print(f"error: --out-dir {args.out_dir} is a file; the .beton files are written into a folder: pass a folder "
-              "(it is created when missing)", file=sys.stderr)
-        return 2
     if args.command == "write-digits":
         from pretrain.data.digits import write_digits
 
