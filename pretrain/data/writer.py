@@ -21,11 +21,15 @@ for gigabytes.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,14 +158,24 @@ def limit_side(image: np.ndarray, max_side: int | None) -> np.ndarray:
 def read_rgb(path: str | Path) -> np.ndarray:
     """Decode an image file to an HWC uint8 RGB array; raises OSError / ValueError on unreadable files.
 
-    16-bit grayscale images (PNG) are scaled to 8 bits (value / 257); Pillow already reduces 16-bit RGB. A JPEG's
-    EXIF orientation is applied (a camera's portrait photo is stored upright, not on its side)."""
+    16-bit grayscale images (PNG) are scaled to 8 bits (value / 257); Pillow already reduces 16-bit RGB. 32-bit float
+    images (TIFF) with values in [0, 1] are scaled by 255; other float ranges are refused (ValueError: the writer
+    skips and lists the image), since no scale is right for all of them. A JPEG's EXIF orientation is applied (a
+    camera's portrait photo is stored upright, not on its side)."""
     with Image.open(path) as opened:
         opened.load()              # decodes fully: truncated files fail here, not at write time
         image = ImageOps.exif_transpose(opened)
         if image.mode in SIXTEEN_BIT_GRAY_MODES:
             gray = np.asarray(image).astype(np.float64) / 257.0
             gray = np.clip(np.rint(gray), 0, 255).astype(np.uint8)
+            return np.repeat(gray[..., None], 3, axis=2)
+        if image.mode == "F":          # 32-bit float (TIFF): convert("RGB") would clip 0.5 and 0.9 to black
+            values = np.asarray(image, dtype=np.float64)
+            low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+            if not np.isfinite(values).all() or low < 0 or high > 1:
+                raise ValueError(f"a 32-bit float image with values from {low:g} to {high:g}: only floats in [0, 1] "
+                                 "are scaled to 8 bits (x 255); save it as an 8- or 16-bit image")
+            gray = np.rint(values * 255).astype(np.uint8)
             return np.repeat(gray[..., None], 3, axis=2)
         return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
 
@@ -249,18 +263,103 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
               "label": IntField(), "index": IntField(), "height": IntField(), "width": IntField()}
     page_size = page_size_for(max(largest_pixels, DEFAULT_MAX_SIDE * DEFAULT_MAX_SIDE))
 
-    def write(tmp: Path) -> None:
-        writer = DatasetWriter(str(tmp), fields, page_size=page_size, num_workers=max(1, workers))
+    with locked_partial_file(out_path) as (tmp, shared_memory_record):
+        class RecordingWriter(DatasetWriter):
+            """FFCV's writer, naming its shared-memory segment beside the partial file as soon as it exists: a write
+            killed with its whole process group (its resource tracker too) leaves the name to the next write."""
+
+            def prepare(self) -> None:
+                super().prepare()
+                shared_memory_record.write_text(self.metadata_sm.name)
+
+        writer = RecordingWriter(str(tmp), fields, page_size=page_size, num_workers=max(1, workers))
         try:
-            run_watching_the_disk(lambda: writer.from_indexed_dataset(dataset, chunksize=64), tmp, page_size)
+            with children_die_with_their_parent():
+                run_watching_the_disk(lambda: writer.from_indexed_dataset(dataset, chunksize=64), tmp, page_size)
         except OSError:
             metadata = getattr(writer, "metadata_sm", None)      # FFCV's shared memory, which it frees on success
             if metadata is not None:
                 metadata.close()
                 metadata.unlink()
             raise
+        os.replace(tmp, out_path)
 
-    replace_atomically(write, out_path)
+
+@contextmanager
+def locked_partial_file(out_path: Path) -> Iterator[tuple[Path, Path]]:
+    """The partial file a .beton is written to (`.NAME.beton.partial`, renamed onto NAME.beton when complete) and
+    the file that names FFCV's shared-memory segment, yielded while this process holds an exclusive lock on the
+    partial file. A partial file nobody holds is what a killed write left behind: it and its shared-memory segment
+    are removed, with a note. One that another process holds is a write in progress: DatasetError."""
+    tmp = out_path.with_name(f".{out_path.name}.partial")
+    record = out_path.with_name(f".{out_path.name}.partial.shm")
+    left_behind = tmp.exists()
+    handle = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DatasetError(f"another write to {out_path} is in progress (it holds {tmp}); wait for it to "
+                               "finish, or write to another --out") from None
+        if left_behind:
+            segment = remove_shared_memory(record)
+            print(f"removed {tmp}{f' and the shared memory {segment}' if segment else ''}, left by a write to "
+                  f"{out_path} that was killed", file=sys.stderr, flush=True)
+        record.unlink(missing_ok=True)
+        yield tmp, record
+    finally:
+        tmp.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
+        os.close(handle)
+
+
+def remove_shared_memory(record: Path) -> str | None:
+    """Unlink the shared-memory segment named in `record` (if it is still there); return its name."""
+    from multiprocessing import shared_memory
+
+    try:
+        name = record.read_text().strip()
+    except OSError:
+        return None
+    if not name:
+        return None
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except (FileNotFoundError, ValueError):
+        return None
+    segment.close()
+    segment.unlink()
+    return name
+
+
+_CHILDREN_DIE_WITH_THEIR_PARENT = False
+
+
+def _die_with_parent_after_fork() -> None:
+    if _CHILDREN_DIE_WITH_THEIR_PARENT and sys.platform == "linux":
+        import ctypes
+        import signal
+
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:                                     # the parent died before prctl took effect
+            os._exit(1)
+
+
+os.register_at_fork(after_in_child=_die_with_parent_after_fork)
+
+
+@contextmanager
+def children_die_with_their_parent() -> Iterator[None]:
+    """Processes forked inside this block (FFCV's writer workers) are killed when the thread that forked them ends:
+    a write killed with SIGKILL would otherwise leave a worker running on, which keeps the shared memory and the
+    partial file in use until the machine restarts."""
+    global _CHILDREN_DIE_WITH_THEIR_PARENT
+    _CHILDREN_DIE_WITH_THEIR_PARENT = True
+    try:
+        yield
+    finally:
+        _CHILDREN_DIE_WITH_THEIR_PARENT = False
 
 
 def run_watching_the_disk(write, tmp: Path, page_size: int, stalled_s: float = 5.0, poll_s: float = 0.5) -> None:
