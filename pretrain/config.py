@@ -345,9 +345,13 @@ def check_choices_and_ranges(cfg: DictConfig, choices: dict[str, tuple], ranges:
             raise ConfigError(f"{key}={value} must be a finite number {comparison} {bound} ({meaning})")
 
 
-def check_lr_schedule(cfg: DictConfig) -> None:
-    """The optim.* keys of the lr schedule that ranges alone cannot check (pretraining and fine-tuning)."""
+def check_optim_keys(cfg: DictConfig) -> None:
+    """The optim.* keys that ranges alone cannot check (pretraining and fine-tuning): the lr schedule, Adam's betas."""
     o = cfg.optim
+    betas = list(o.betas)
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"optim.betas={betas} must be two numbers in [0, 1): Adam's decay rates of the gradient's "
+                          "mean and of its square, e.g. [0.9, 0.999]")
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}: the cosine decays from optim.lr to "
                           "min_lr")
@@ -366,15 +370,28 @@ def check_lr_schedule(cfg: DictConfig) -> None:
                           "optim.lr_schedule=cosine")
 
 
+def check_run_name(cfg: DictConfig) -> None:
+    """`name` becomes the folder runs/NAME (when run_dir is not given): one folder name, not a path, not empty (an
+    empty name would train into runs/ itself, among every other run)."""
+    name = str(cfg.name)
+    if not name.strip() or name.strip() in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(f"name={name!r} must be a folder name (letters, digits, '_', '-', '.'), not empty and "
+                          "without '/': the run trains into runs/NAME; to choose the folder itself, set run_dir=PATH")
+    run_dir = cfg.get("run_dir")
+    if run_dir is not None and not str(run_dir).strip():
+        raise ConfigError(f"run_dir={run_dir!r} is empty: give a folder, or leave run_dir out for runs/NAME")
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that types alone cannot express (and the method's own, `METHOD.check_config`)."""
     from pretrain.methods import method_module
 
+    check_run_name(cfg)
     check_choices_and_ranges(cfg, CHOICES, NUMBER_RANGES)
     if not 0 < cfg.data.eval_crop_fraction <= 1:
         raise ConfigError(f"data.eval_crop_fraction={cfg.data.eval_crop_fraction} must lie in (0, 1]: 0.875 for "
                           "the standard 256 -> 224 centre crop, 1.0 for the whole image")
-    check_lr_schedule(cfg)
+    check_optim_keys(cfg)
     for key in ("mean", "std"):
         values = list(cfg.data[key])
         if len(values) != 3 or not all(math.isfinite(v) for v in values):

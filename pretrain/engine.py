@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretrain.atomic_write import write_text_atomically
 from pretrain.checkpoint import check_fresh_start, check_resumable
 from pretrain.config import ConfigError, run_dir_of, views_to_draw
-from pretrain.data.loader import build_view_loader, check_training_data
+from pretrain.data.loader import build_view_loader, check_held_out_data, check_training_data
 from pretrain.data.writer import is_unlabeled
 from pretrain.loop import ConfiguredStage, run_training
 from pretrain.methods import build_method, method_module
@@ -41,6 +41,7 @@ class Pretraining(ConfiguredStage):
             raise ConfigError(f"run_dir={self.run_dir} is a file; the run directory holds checkpoints, exports and "
                               "logs: pass a folder (or leave run_dir out for runs/NAME)")
         check_training_data(cfg.data.train, cfg.data.backend)
+        check_held_out_data(cfg.data.val)
         if cfg.data.backend == "ffcv" and is_unlabeled(cfg.data.train):
             if method_module(cfg.method.name).METHOD.needs_labels(cfg):
                 raise ConfigError(f"data.train={cfg.data.train} has no labels (written with --unlabeled), but "

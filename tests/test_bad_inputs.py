@@ -36,6 +36,10 @@ def refused(capsys, argv: list[str], *expected: str) -> str:
     ("data.views.0.scale=[0.9,0.2]", "data.views.0: ViewGroup.scale must satisfy 0 < min <= max <= 1"),
     ("data.eval_crop_fraction=1.5", "data.eval_crop_fraction=1.5 must lie in (0, 1]"),
     ("optim.lr=[1", "is not valid YAML; quote it"),
+    ("optim.betas=[1.5,0.999]", "optim.betas=[1.5, 0.999] must be two numbers in [0, 1)"),
+    ("optim.betas=[0.9]", "optim.betas=[0.9] must be two numbers in [0, 1)"),
+    ("name=''", "name='' must be a folder name"),          # it trained into runs/ itself, among every other run
+    ("name=a/b", "name='a/b' must be a folder name"),
 ])
 def test_bad_values_are_refused_by_name(capsys, tmp_path, override, expected):
     refused(capsys, ["--config", CONFIG, override, f"run_dir={tmp_path / 'run'}"], "config error: ", expected)
@@ -93,7 +97,7 @@ def test_the_torchvision_backend_names_an_unreadable_image_or_an_empty_folder_in
     for name in ("a", "b"):
         (folder / name).mkdir(parents=True)
     common = ["--config", CONFIG, f"run_dir={tmp_path / 'run'}", f"data.train={folder}", "data.backend=torchvision",
-              "engine.max_steps=1", "data.batch_size=5", "data.num_workers=1",     # one batch: all 5 images
+              f"data.val={digits / 'val.beton'}", "engine.max_steps=1", "data.batch_size=5", "data.num_workers=1",     # one batch: all 5 images
               "engine.image_grid_every_steps=0"]
     refused(capsys, common, "has class sub-folders but no images")
     from PIL import Image
@@ -104,3 +108,42 @@ def test_the_torchvision_backend_names_an_unreadable_image_or_an_empty_folder_in
     (folder / "b" / "notes.jpg").write_text("not a JPEG")
     error = refused(capsys, common, f"Cannot read {folder / 'b' / 'notes.jpg'}", "OUT.skipped.txt")
     assert "Traceback" not in error and "DataLoader worker" not in error
+
+
+def test_a_missing_validation_set_is_refused_before_training(capsys, tmp_path, digits):
+    """data.val is read by every evaluation of the run, not by the training: a typo trained for the whole schedule
+    and exited 0, and only the evaluation found it missing."""
+    refused(capsys, ["--config", CONFIG, f"run_dir={tmp_path / 'run'}", f"data.train={digits / 'train.beton'}",
+                     f"data.val={tmp_path / 'vall.beton'}"], f"data.val='{tmp_path / 'vall.beton'}' does not exist")
+    assert not (tmp_path / "run").exists()
+
+
+def test_views_too_large_for_memory_are_refused_before_the_first_batch(capsys, tmp_path, digits):
+    """data.views.0.size=100000 asked the allocator for 30 TB at the first batch, in a traceback."""
+    refused(capsys, ["--config", CONFIG, f"run_dir={tmp_path / 'run'}", f"data.train={digits / 'train.beton'}",
+                     f"data.val={digits / 'val.beton'}", "data.views.0.size=100000"],
+            "views of data.views.0: 2 x 100000 px would take", "half of this machine's memory")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_path, digits):
+    """A real read-only filesystem (a tmpfs mounted ro in a private mount namespace; chmod does not stop root):
+    the run's directory cannot be created there, said in one line with exit status 2, not a traceback."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = " ".join(shlex.quote(str(part)) for part in [
+        sys.executable, "-m", "pretrain", "--config", CONFIG, f"run_dir={disk / 'run'}",
+        f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}"])
+    script = f"mount -t tmpfs -o ro,size=1m tmpfs {disk}; {command} 2> {tmp_path}/err; echo $? > {tmp_path}/code"
+    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
+        ["unshare", "--user", "--map-root-user", "--mount"]
+    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=120)
+    err = (tmp_path / "err").read_text().strip()
+    assert (tmp_path / "code").read_text().strip() == "2" and len(err.splitlines()) == 1, err
+    assert f"error: cannot write {disk}: it is on a read-only file system" in err

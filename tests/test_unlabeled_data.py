@@ -98,7 +98,8 @@ def test_self_supervised_pretraining_on_unlabeled_images_evaluated_on_a_labelled
     for config in ("dino_digits", "tcl_digits"):         # the methods with their own label and view paths
         other = tmp_path / config
         forked_runs.run("pretrain", ["--config", ROOT / f"configs/pretrain/{config}.yaml", f"run_dir={other}",
-                                     f"data.train={tmp_path / 'unlabeled.beton'}", *TINY, "engine.max_steps=1",
+                                     f"data.train={tmp_path / 'unlabeled.beton'}", f"data.val={digits / 'val.beton'}",
+                                     *TINY, "engine.max_steps=1",
                                      "monitor.online_probe=false", "hvs.enabled=true"])
         assert (other / "finished.json").is_file()
     refused = forked_runs.run("eval", ["knn", "--run", str(run_dir)], expect=2)

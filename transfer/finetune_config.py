@@ -18,7 +18,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from pretrain.config import (CHOICES, NUMBER_RANGES, ConfigError, EngineConfig, OptimConfig, check_choices_and_ranges,
-                             check_lr_schedule, merge_checked, parse_overrides, read_config_file, schema_keys)
+                             check_optim_keys, check_run_name, merge_checked, parse_overrides, read_config_file, schema_keys)
 from pretrain.data.views import ViewGroup
 
 CONFIGS_DIR = "configs/transfer/"
@@ -157,6 +157,7 @@ def validate(cfg: DictConfig) -> None:
         if value is not None and not (math.isfinite(value) and value >= low and (high is None or value <= high)):
             bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise ConfigError(f"{key}={value} must be a finite number {bound} ({meaning})")
+    check_run_name(cfg)
     parse_label_fraction(cfg.data.label_fraction)
     if cfg.data.eval_crop_fraction is not None and not 0 < cfg.data.eval_crop_fraction <= 1:
         raise ConfigError(f"data.eval_crop_fraction={cfg.data.eval_crop_fraction} must lie in (0, 1]: 0.875 for the "
@@ -168,7 +169,7 @@ def validate(cfg: DictConfig) -> None:
     if not 0 < cfg.optim.layer_decay <= 1:
         raise ConfigError(f"optim.layer_decay={cfg.optim.layer_decay} must lie in (0, 1]: 1 is no decay, BEiT / MAE "
                           "use 0.65-0.75")
-    check_lr_schedule(cfg)
+    check_optim_keys(cfg)
     if cfg.optim.name == "lars" and cfg.engine.zero_stage > 0:
         raise ConfigError("optim.name=lars needs whole per-layer parameters, but ZeRO stage "
                           f"{cfg.engine.zero_stage} flattens them into partitions; use engine.zero_stage=0 "

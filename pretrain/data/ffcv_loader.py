@@ -168,12 +168,16 @@ def decode_buffer_bytes(path: str | Path, batch_size: int, output_pixels: int) -
     return FFCV_BATCHES_IN_FLIGHT * batch_size * (height * width * 3 + output_pixels * 3), height, width
 
 
+def half_of_machine_memory() -> int:
+    """Bytes: the budget a batch's buffers may take before a start is refused (the rest is the model's)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
 def check_decode_memory(path: str | Path, batch_size: int, output_pixels: int, budget_bytes: int | None = None) -> None:
     """Raise DatasetError when FFCV's decode buffers for `path` would take more than `budget_bytes` (default:
     half of this machine's memory), naming the largest image and the remedies."""
     needed, height, width = decode_buffer_bytes(path, batch_size, output_pixels)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    budget = total // 2 if budget_bytes is None else budget_bytes
+    budget = half_of_machine_memory() if budget_bytes is None else budget_bytes
     if needed > budget and output_pixels > height * width:      # the size asked for, not the stored images
         side = round(output_pixels ** 0.5)
         raise DatasetError(

@@ -200,6 +200,7 @@ def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int
                  "group": pretrain/data/batch_designs.py, from the dataset's labels).
     """
     check_training_data(path, backend)
+    check_view_memory(groups, batch_size)
     common = dict(device=torch.device(device), mean=mean, std=std, seed=seed, rank=rank, world_size=world_size,
                   drop_last=drop_last, batches_per_step=batches_per_step, subset=subset)
     if backend == "ffcv":
@@ -216,6 +217,21 @@ def build_view_loader(path: str | Path, groups: list[ViewGroup], batch_size: int
         except ValueError as error:     # the design does not fit this data or batch: one line, exit status 2
             raise DatasetError(f"data.batch_design.name={batch_design.name} on {path}: {error}") from None
     return loader
+
+
+def check_view_memory(groups: list[ViewGroup], batch_size: int, budget_bytes: int | None = None) -> None:
+    """Raise DatasetError when one batch's views (float32, every group's count) alone would take more than
+    `budget_bytes` (default: half of this machine's memory): `data.views.0.size=100000` would otherwise ask the
+    allocator for terabytes at the first batch, in a traceback."""
+    from pretrain.data.ffcv_loader import half_of_machine_memory
+
+    needed = sum(batch_size * group.count * 3 * group.size * group.size * 4 for group in groups)
+    budget = half_of_machine_memory() if budget_bytes is None else budget_bytes
+    if needed > budget:
+        sizes = ", ".join(f"data.views.{i}: {g.count} x {g.size} px" for i, g in enumerate(groups))
+        raise DatasetError(f"one batch of {batch_size} images in views of {sizes} would take {needed / 1e9:.1f} GB, "
+                           f"over {budget / 1e9:.1f} GB (half of this machine's memory): ask for smaller views "
+                           "(data.views.N.size) or a smaller data.batch_size")
 
 
 def check_training_data(path: str | Path, backend: str) -> None:
@@ -246,6 +262,20 @@ def check_training_data(path: str | Path, backend: str) -> None:
             list_image_folder(path)                 # no class folders or no images: said now, not at a batch
         except ValueError as error:
             raise DatasetError(f"data.train={str(path)!r}: {error}") from None
+
+
+def check_held_out_data(path: str | Path) -> None:
+    """Raise DatasetError for a `data.val` that is missing or not a complete .beton. Pretraining does not read it,
+    but every evaluation of the run does (`eval knn --run`, the watcher, fine-tuning): a typo is said at the start,
+    not after the training it was meant to evaluate."""
+    from pretrain.data.ffcv_loader import check_beton_fields
+
+    if not Path(path).exists():
+        raise DatasetError(f"data.val={str(path)!r} does not exist: the run's evaluations read it; write it with "
+                           "`python -m pretrain.data write --image-folder DIR --out FILE.beton`, or pass the held-out "
+                           "set you have with data.val=PATH")
+    if Path(path).is_file():
+        check_beton_fields(path)
 
 
 class ImageLoader:
