@@ -142,7 +142,7 @@ def resume_from_newest_loadable(engine, checkpoint_dir: Path, layout: dict[str, 
         except Exception as error:           # a torn zip, a missing shard, a shape mismatch: all mean "cannot use"
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         if all_ranks_agree(reason is None) and not parameters_finite_on_every_rank(engine.module):
-            reason = "its parameters are not finite (NaN or inf): the run had diverged"
+            reason = "its parameters or BatchNorm statistics are not finite (NaN or inf): the run had diverged"
         if all_ranks_agree(reason is None):
             if reasons and dist.get_rank() == 0:
                 print(f"resuming from {candidate.name}, the newest checkpoint that loads; skipped "

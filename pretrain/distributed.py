@@ -80,10 +80,19 @@ def finite_on_every_rank(loss: torch.Tensor) -> bool:
     return all_ranks_agree(bool(torch.isfinite(loss.detach()).all()))
 
 
+def first_non_finite_tensor(module: nn.Module) -> str | None:
+    """The name of the first parameter or floating-point buffer of `module` holding NaN or inf on this process
+    (ZeRO-3: this rank's partition), or None. Buffers count: BatchNorm's running statistics can overflow while
+    every weight stays finite and the train-mode loss too, and then every eval-mode feature is NaN."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(getattr(tensor, "ds_tensor", tensor)).all()):
+            return name
+    return None
+
+
 def parameters_finite_on_every_rank(module: nn.Module) -> bool:
-    """True when no parameter of `module` holds NaN or inf on any process (ZeRO-3: this rank's partition)."""
-    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in module.parameters())
-    return all_ranks_agree(finite)
+    """True when no parameter or floating-point buffer of `module` holds NaN or inf on any process."""
+    return all_ranks_agree(first_non_finite_tensor(module) is None)
 
 
 def average_buffers(module: nn.Module) -> None:

@@ -1,11 +1,15 @@
 """The exit statuses every training command shares (`python -m pretrain`, `python -m transfer finetune|detection`):
-0 done, 1 diverged, 2 bad input (one line naming it), 128 + N stopped by signal N, 130 interrupted during
-start-up. Messages go to stderr, prefixed with the rank when several processes run."""
+0 done, 1 diverged, 2 bad input (one line naming it; a run directory that cannot be written, read-only, without
+permission or full, counts as one), 128 + N stopped by signal N, 130 interrupted during start-up. Messages go to stderr, prefixed with the rank when several processes run."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Callable
+
+# Why a file or folder cannot be written: the place, not the program, is at fault; said in one line, status 2.
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
 
 
 def report(message: str) -> None:
@@ -35,6 +39,12 @@ def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseExc
         train()
     except input_errors as error:
         report("error: " + one_line(error))
+        return 2
+    except OSError as error:
+        if error.errno not in UNWRITABLE:
+            raise
+        report(f"error: cannot write {error.filename or 'the run directory'}: {error.strerror}; put the run on a "
+               "writable filesystem with space left (run_dir=PATH), or free some space")
         return 2
     except TrainingDiverged as error:
         report(f"error: {error}")

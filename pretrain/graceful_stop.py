@@ -1,11 +1,13 @@
-"""SIGINT / SIGTERM / SIGUSR2: finish the optimizer step under way, save a checkpoint, exit; a second SIGINT or
-SIGTERM exits at once.
+"""SIGINT / SIGTERM / SIGUSR1 / SIGUSR2: finish the optimizer step under way, save a checkpoint, exit; a second
+SIGINT or SIGTERM exits at once.
 
 SIGUSR2 is the warning a cluster scheduler sends before a job's time limit or at preemption (`sbatch
 --signal=USR2@SECONDS`, as submitit submits; `SlurmctldParameters=preempt_send_user_signal` for preemption):
 the run stops the same way, with exit status 128 + SIGUSR2, and `launch` requeues the job, which resumes from
-that checkpoint. The scheduler's SIGTERM that may follow its warning belongs to the same stop: it does not cut
-short the checkpoint being written (the scheduler's SIGKILL ends the job when it must).
+that checkpoint. SIGUSR1, which other job scripts ask the scheduler for, stops the run the same way (exit status
+128 + SIGUSR1; such a script requeues the job itself). The scheduler's SIGTERM that may follow its warning belongs
+to the same stop: it does not cut short the checkpoint being written (the scheduler's SIGKILL ends the job when it
+must).
 
 A handler only records the request; the training loop asks `requested_on_any_rank()` once per optimizer
 step, an all-reduce, so that every process stops after the same step even when the signal reached only
@@ -25,9 +27,13 @@ import time
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+# A scheduler's warnings: SIGUSR2 is what `launch` asks Slurm for; SIGUSR1 is what many cluster scripts ask for
+# (`sbatch --signal=B:USR1@120`), and its default action would kill the run without a checkpoint.
+WARNINGS = (signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *WARNINGS)
 PENDING_STOP_SIGNAL = "HARDVIEW_PENDING_STOP_SIGNAL"
-WHY = {signal.SIGINT: "", signal.SIGTERM: "", signal.SIGUSR2: " (the scheduler's time-limit or preemption warning)"}
+WHY = {signal.SIGINT: "", signal.SIGTERM: "", signal.SIGUSR2: " (the scheduler's time-limit or preemption warning)",
+       signal.SIGUSR1: " (a scheduler's time-limit or preemption warning)"}
 
 
 class StopRequested(Exception):
@@ -55,7 +61,7 @@ class GracefulStop:
             self.signum, self.received_at = signum, time.monotonic()
             print(f"{signal.Signals(signum).name}{WHY[signum]}: stopping after this optimizer step, with a "
                   "checkpoint (a second SIGINT / SIGTERM exits at once)", file=sys.stderr, flush=True)
-        elif signal.SIGUSR2 not in (self.signum, signum) and \
+        elif self.signum not in WARNINGS and signum not in WARNINGS and \
                 time.monotonic() - self.received_at > self.repeat_window_s:
             print(f"{signal.Signals(signum).name} again: exiting now, without a checkpoint", file=sys.stderr,
                   flush=True)

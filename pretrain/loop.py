@@ -29,7 +29,9 @@ always writes the key: `grad_clip` when it is > 0, else 0 (no clipping). DINO's 
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -48,7 +50,8 @@ from torch import nn
 from pretrain.checkpoint import resume_from_newest_loadable, run_layout, save_checkpoint
 from pretrain.config_error import ConfigError
 from pretrain.data import DatasetError
-from pretrain.distributed import finite_on_every_rank, init_distributed, parameters_finite_on_every_rank
+from pretrain.distributed import (finite_on_every_rank, first_non_finite_tensor, init_distributed,
+                                  parameters_finite_on_every_rank)
 from pretrain.divergence import NonFiniteLoss, TrainingDiverged
 from pretrain.graceful_stop import GracefulStop, StopRequested
 from pretrain.gradient_edits import GradientEdits
@@ -208,7 +211,9 @@ class Checkpointer:
     def save(self, epoch: int, batch_in_epoch: int) -> None:
         step = self.engine.global_steps
         if not parameters_finite_on_every_rank(self.engine.module):
-            raise self.diverged(f"the parameters are NaN or inf after step {step}", epoch)
+            where = first_non_finite_tensor(self.engine.module)
+            raise self.diverged(f"the parameters or BatchNorm statistics are NaN or inf after step {step}"
+                                + (f" ({where}, and maybe others)" if where else ""), epoch)
         save_checkpoint(self.engine, self.directory,
                         {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **self.layout},
                         {"task": self.task.state_outside_engine()}, self.stage.options.keep_checkpoints)
@@ -269,6 +274,7 @@ def run_training(stage: Stage) -> Any:
     o = stage.options
     # ==== processes, run directory, seeds ====
     stage.check_inputs()                                # before any process group or worker starts
+    check_writable(stage.run_dir)
     rank, world_size, device = init_distributed(o.device)
     run_dir = stage.run_dir
     created = first_missing_directory(run_dir)          # what a refused fresh start must not leave behind
@@ -278,6 +284,17 @@ def run_training(stage: Stage) -> Any:
         if rank == 0 and created is not None and not any(created.rglob("trainer_state.json")):
             shutil.rmtree(created, ignore_errors=True)
         raise
+
+
+def check_writable(run_dir: Path) -> None:
+    """Raise OSError (EROFS or EACCES, naming the folder) when the run directory, or the folder it would be created
+    in, cannot be written: a read-only filesystem or no permission, said before any process or worker starts."""
+    existing = next(path for path in [run_dir, *run_dir.parents] if path.exists())
+    if os.access(existing, os.W_OK | os.X_OK):
+        return
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, "it is on a read-only file system", str(existing))
+    raise OSError(errno.EACCES, "this user may not write there", str(existing))
 
 
 def first_missing_directory(path: Path) -> Path | None:

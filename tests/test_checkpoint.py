@@ -38,3 +38,32 @@ def test_average_buffers_across_two_processes(free_port):
         torch.testing.assert_close(torch.from_numpy(mean), torch.full((3,), 0.5))
         torch.testing.assert_close(torch.from_numpy(var), torch.full((3,), 2.0))
         assert tracked == 5 + rank
+
+
+def test_overflowed_batchnorm_statistics_are_a_divergence_the_checkpoint_refuses(tmp_path):
+    """`optim.lr=1e6 optim.warmup_epochs=0` could end "done" with a finite loss and finite weights while BatchNorm's
+    running variance had overflowed: every eval-mode feature was then NaN and only `eval knn` found out. The check
+    before each checkpoint covers the buffers too, and the run stops as a NaN loss stops it, naming the lr."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from pretrain.distributed import first_non_finite_tensor, parameters_finite_on_every_rank
+    from pretrain.divergence import TrainingDiverged
+    from pretrain.loop import Checkpointer, ConfiguredStage
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    assert first_non_finite_tensor(net) is None and parameters_finite_on_every_rank(net)
+    net[1].running_var[2] = float("inf")
+    assert first_non_finite_tensor(net) == "1.running_var" and not parameters_finite_on_every_rank(net)
+    net[1].num_batches_tracked.fill_(3)                 # integer buffers cannot be NaN: not looked at
+
+    cfg = OmegaConf.create({"optim": {"lr": 1e6, "warmup_epochs": 0.0, "grad_clip": 0.0, "name": "sgd"}})
+    stage = SimpleNamespace(name="training", run_dir=tmp_path, options=SimpleNamespace(keep_checkpoints=0),
+                            divergence_advice=lambda: ConfiguredStage.divergence_advice(SimpleNamespace(cfg=cfg)))
+    checkpointer = Checkpointer(SimpleNamespace(global_steps=7, module=net), None, stage, {})
+    with pytest.raises(TrainingDiverged) as raised:
+        checkpointer.save(epoch=0, batch_in_epoch=7)
+    message = str(raised.value)
+    assert "the parameters or BatchNorm statistics are NaN or inf after step 7 (1.running_var" in message
+    assert "optim.lr (now 1000000.0)" in message and not (tmp_path / "checkpoints").exists()

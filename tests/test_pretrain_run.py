@@ -283,15 +283,17 @@ def test_a_second_signal_exits_at_once():
     assert "SIGTERM again: exiting now" in result.stderr
 
 
-def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warning_is_kept():
+@pytest.mark.parametrize("warning", [signal.SIGUSR2, signal.SIGUSR1])
+def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warning_is_kept(warning):
     """SIGUSR2 (a time-limit or preemption warning) then the scheduler's SIGTERM seconds later: one stop, the
     checkpoint being written is not cut short. A warning that reached a launched job before the training loop
-    handled signals (launch.jobs.hold_stop_signals) counts as received."""
+    handled signals (launch.jobs.hold_stop_signals) counts as received. SIGUSR1, which other job scripts ask Slurm
+    for (`--signal=B:USR1@120`), is a warning too: it used to kill the run without a checkpoint."""
     script = (
         "import os, signal, time, torch\n"
         "from pretrain.graceful_stop import GracefulStop, PENDING_STOP_SIGNAL\n"
         "stop = GracefulStop(repeat_window_s=0.2)\n"
-        "os.kill(os.getpid(), signal.SIGUSR2); time.sleep(0.5)\n"
+        f"os.kill(os.getpid(), {int(warning)}); time.sleep(0.5)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5)\n"
         "print('requested', stop.requested_on_any_rank(torch.device('cpu')), flush=True)\n"
         "stop.restore()\n"
@@ -300,7 +302,7 @@ def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warnin
         "print('adopted', later.requested_on_any_rank(torch.device('cpu')), PENDING_STOP_SIGNAL in os.environ)\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert f"requested {int(signal.SIGUSR2)}" in result.stdout                  # still running: one stop
+    assert f"requested {int(warning)}" in result.stdout                         # still running: one stop
     assert f"adopted {int(signal.SIGUSR2)} False" in result.stdout
     assert "time-limit or preemption warning" in result.stderr and "exiting now" not in result.stderr
 

@@ -25,7 +25,7 @@ Training runs through the training loop of every stage (pretrain/loop.py), on th
 (`--device auto` takes CUDA when there is one): SGD with momentum, linear warm-up then cosine decay of the
 learning rate, fixed-size batches in a seeded random order, fp32. The detector's run directory,
 RUN_DIR/detection/detection_{export|random}_stepNNNNNNN/, holds its checkpoints (one, at the last epoch end),
-config.yaml, metrics.jsonl and TensorBoard curves: a killed or stopped run (SIGINT / SIGTERM / SIGUSR2 save a
+config.yaml, metrics.jsonl and TensorBoard curves: a killed or stopped run (SIGINT / SIGTERM / SIGUSR1 / SIGUSR2 save a
 checkpoint, exit 128 + N) resumes by rerunning the same command; a finished one is evaluated again without
 training. Evaluation runs the detector on the val scenes and scores its detections with
 pycocotools' COCOeval (bbox): mAP is the COCO AP averaged over IoU thresholds 0.50:0.05:0.95 with the

@@ -9,7 +9,7 @@ initialisation (--from random, the baseline), with top-1 / top-5 on the validati
 Training runs through the training loop of every stage (pretrain/loop.py; this stage and its task are in
 transfer/finetune_stage.py): DeepSpeed ZeRO (engine.zero_stage), bf16 autocast on GPUs with fp32 weights,
 checkpoints every engine.checkpoint_every_steps and at every epoch end, resume by rerunning the same command
-(after a crash or SIGKILL too), SIGINT / SIGTERM / SIGUSR2 finish the step, checkpoint and exit with
+(after a crash or SIGKILL too), SIGINT / SIGTERM / SIGUSR1 / SIGUSR2 finish the step, checkpoint and exit with
 128 + signal, TensorBoard and metrics.jsonl. Recipes (configs/transfer/): warm-up + cosine, label smoothing,
 layer-wise lr decay, drop path, timm's RandAugment, random erasing and mixup / cutmix, and a class-balanced
 label fraction (data.label_fraction=1% / 10%).
