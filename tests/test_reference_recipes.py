@@ -53,3 +53,26 @@ def test_simclr_projector_ends_with_a_bias_free_linear_and_a_scale_only_batchnor
 def test_dino_configs_clip_each_parameter_at_3_not_the_global_norm(config):
     cfg = load_config(CONFIGS / config)
     assert cfg.optim.grad_clip_per_parameter == 3.0 and cfg.optim.grad_clip == 0.0
+
+
+def test_simsiam_normalises_each_training_view_on_its_own_and_the_selection_pool_jointly():
+    """facebookresearch/simsiam runs z1 = encoder(x1), z2 = encoder(x2) (BatchNorm statistics per view); the views
+    used to go through BatchNorm as one batch of 2B. The selection pool goes as one batch, as automl/hvp@main's
+    select_crops (`single_forward(torch.cat(images))`); `method.per_view_batchnorm=false` is the joint form."""
+    cfg = load_config(CONFIGS / "simsiam_digits.yaml", TINY)
+    torch.manual_seed(0)
+    method = build_method(cfg).train()
+    views = torch.randn(6, 2, 3, 16, 16)
+    outputs = method([views])
+    for v in range(2):                                           # each view alone, as the reference's forward
+        z = method.projector(method.backbone(views[:, v]))
+        torch.testing.assert_close(outputs["z"][:, v], z)
+        torch.testing.assert_close(outputs["p"][:, v], method.predictor(z))
+    pool = torch.randn(6, 4, 3, 16, 16)                         # the selection pool: one batch of 4B
+    z_pool = method.projector(method.backbone(pool.flatten(0, 1))).unflatten(0, (6, 4))
+    torch.testing.assert_close(method([pool])["z"], z_pool)
+    joint = build_method(load_config(CONFIGS / "simsiam_digits.yaml", [*TINY, "method.per_view_batchnorm=false"]))
+    joint.load_state_dict(method.state_dict())
+    z_joint = method.projector(method.backbone(views.flatten(0, 1))).unflatten(0, (6, 2))
+    torch.testing.assert_close(joint.train()([views])["z"], z_joint)
+    assert not torch.allclose(z_joint, outputs["z"], atol=1e-3)
