@@ -1,0 +1,5 @@
+import sys
+
+from pretrain.bench import main
+
+sys.exit(main())
