@@ -28,6 +28,7 @@ from launch.cluster import (ClusterOptions, LaunchError, add_cluster_arguments, 
                             submit_array)
 from launch.jobs import Step
 from launch.sweep import run_name, sweep_combinations
+from pretrain.argument_types import CommandLineParser, number, positive_float, positive_int
 
 
 # ============ pretrain (and sweeps) ============
@@ -96,9 +97,7 @@ def command_eval_watch(args: argparse.Namespace) -> int:
     options = cluster_options(args)
     run_dir = existing_run(args.run, "start the pretraining first (or submit `launch pipeline`, whose watcher "
                                      "starts with it)")
-    check_pipeline_arguments(argparse.Namespace(watch_protocols=args.protocols, final_protocols="", transfer="",
-                                                eval_gpus=None, watch_poll_seconds=args.poll_seconds,
-                                                finetune_config=None))
+    check_protocols("--protocols", args.protocols, at_least_one=True)
     submit(options, run_dir, "eval-watch", [watch_step(run_dir, args.protocols, args.poll_seconds, args.follow)])
     return 0
 
@@ -135,24 +134,27 @@ def final_steps(run_dir: Path, protocols: str, transfer: str, finetune_config: s
     return steps
 
 
-def check_pipeline_arguments(args: argparse.Namespace) -> None:
-    """What the jobs would fail on later, refused before anything is submitted (LaunchError names the value)."""
+def check_protocols(option: str, value: str, at_least_one: bool = False) -> None:
+    """`value`, a comma-separated list of `python -m eval` protocols given as `option`, refused by name (with the
+    option this command has) before a job would fail on it."""
     from eval.watch import PROTOCOLS
 
-    for option, value in (("--watch-protocols", args.watch_protocols), ("--final-protocols", args.final_protocols)):
-        unknown = [p for p in split(value) if p not in PROTOCOLS]
-        if unknown:
-            raise LaunchError(f"{option} {value!r}: {', '.join(unknown)} is not a protocol; choose from {PROTOCOLS}")
-    if not split(args.watch_protocols):
-        raise LaunchError(f"--watch-protocols {args.watch_protocols!r} names no protocol; choose from {PROTOCOLS}")
+    unknown = [p for p in split(value) if p not in PROTOCOLS]
+    if unknown:
+        raise LaunchError(f"{option} {value!r}: {', '.join(unknown)} is not a protocol; choose from {PROTOCOLS}")
+    if at_least_one and not split(value):
+        raise LaunchError(f"{option} {value!r} names no protocol; choose from {PROTOCOLS}")
+
+
+def check_pipeline_arguments(args: argparse.Namespace) -> None:
+    """What the jobs would fail on later, refused before anything is submitted (LaunchError names the value; the
+    numbers are checked by their argparse types)."""
+    check_protocols("--watch-protocols", args.watch_protocols, at_least_one=True)
+    check_protocols("--final-protocols", args.final_protocols)
     unknown = [stage for stage in split(args.transfer) if stage not in TRANSFER_STAGES]
     if unknown:
         raise LaunchError(f"--transfer {args.transfer!r}: {', '.join(unknown)} is not a transfer stage; choose from "
                           f"{TRANSFER_STAGES}")
-    if args.eval_gpus is not None and args.eval_gpus not in (0, 1):
-        raise LaunchError(f"--eval-gpus {args.eval_gpus}: the evaluation jobs run one process, on 0 or 1 GPU")
-    if args.watch_poll_seconds is not None and not args.watch_poll_seconds > 0:
-        raise LaunchError(f"--watch-poll-seconds {args.watch_poll_seconds} must be a positive number of seconds")
     if args.finetune_config is not None:
         if "finetune" not in split(args.transfer):
             raise LaunchError(f"--finetune-config {args.finetune_config} is given but --transfer has no finetune")
@@ -214,8 +216,8 @@ def command_status(args: argparse.Namespace) -> int:
 # ============ argument parsing ============
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(prog="python -m launch", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     pretrain = commands.add_parser("pretrain", help="pretraining as a job (or a sweep as a job array)",
@@ -249,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--run", required=True, metavar="RUN_DIR")
     watch.add_argument("--protocols", default="knn,linear", help="protocols per checkpoint (default: %(default)s)")
     watch.add_argument("--follow", action="store_true", help="keep watching after the run has finished")
-    watch.add_argument("--poll-seconds", type=float,
+    watch.add_argument("--poll-seconds", type=positive_float,
                        help="how often the watcher looks for new exports (default: eval watch's)")
     add_cluster_arguments(watch)
     watch.set_defaults(handler=command_eval_watch)
@@ -262,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("overrides", nargs="*", metavar="key=value")
     pipeline.add_argument("--watch-protocols", default="knn",
                           help="protocols run on every checkpoint while training goes on (default: %(default)s)")
-    pipeline.add_argument("--watch-poll-seconds", type=float,
+    pipeline.add_argument("--watch-poll-seconds", type=positive_float,
                           help="how often the watcher looks for new exports (default: eval watch's)")
     pipeline.add_argument("--final-protocols", default="linear",
                           help="protocols run on the final export only, after pretraining succeeded (default: "
@@ -273,11 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the fine-tuning recipe of --transfer finetune (configs/transfer/*.yaml; default: "
                                "transfer finetune's built-in defaults)")
     evaluation = pipeline.add_argument_group("the evaluation jobs (watcher, final evaluations on one process)")
-    evaluation.add_argument("--eval-gpus", type=int, metavar="N",
-                            help="GPUs of the evaluation jobs, 0 or 1 (default: 1 when the training has GPUs)")
-    evaluation.add_argument("--eval-cpus-per-task", type=int, metavar="N",
+    evaluation.add_argument("--eval-gpus", type=number(int, at_least=0, at_most=1), metavar="N",
+                            help="GPUs of the evaluation jobs, 0 or 1: they run one process (default: 1 when the "
+                                 "training has GPUs)")
+    evaluation.add_argument("--eval-cpus-per-task", type=positive_int, metavar="N",
                             help="CPU cores of an evaluation job (default: the training's --cpus-per-task)")
-    evaluation.add_argument("--eval-mem-gb", type=float, metavar="N",
+    evaluation.add_argument("--eval-mem-gb", type=positive_float, metavar="N",
                             help="memory of an evaluation job in GB (default: the partition's default)")
     evaluation.add_argument("--eval-constraint", metavar="CONSTRAINT",
                             help="node constraint of the evaluation jobs (default: none; the training's is not "

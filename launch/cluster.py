@@ -6,16 +6,24 @@
 A preset is a YAML file of these options (configs/launch/local.yaml, configs/launch/slurm_example.yaml);
 flags given on the command line override it. `cluster: slurm` submits with sbatch through submitit (one task
 per GPU, or `tasks_per_node` processes on CPUs); `cluster: local` runs the same job as local processes;
-`cluster: auto` is Slurm where `sbatch` exists, local elsewhere.
+`cluster: auto` is Slurm where `sbatch` and `srun` exist, local elsewhere. `cluster: slurm` where they do not, or an
+sbatch that refuses the job (no controller answers), is one line naming it: nothing is left behind.
+
+The sbatch parameters are a pure function of the options (`slurm_parameters`), so the submission script can be
+built and checked where Slurm is not installed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
+import io
 import json
+import math
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -23,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from launch.jobs import StageJob, Step
+from pretrain.argument_types import number, parse_number
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "launch"
 
@@ -33,7 +42,7 @@ class LaunchError(ValueError):
 
 @dataclass
 class ClusterOptions:
-    cluster: str = "auto"                  # slurm | local | auto (slurm where sbatch exists)
+    cluster: str = "auto"                  # slurm | local | auto (slurm where sbatch and srun exist)
     nodes: int = 1
     gpus_per_node: int = 0                 # one task per GPU; 0: a CPU job
     tasks_per_node: int | None = None      # processes per node (default: gpus_per_node, or 1 on CPUs)
@@ -54,8 +63,15 @@ class ClusterOptions:
         return self.tasks_per_node or self.gpus_per_node or 1
 
 
+# The numeric options' kind and range, written once: the flags' argparse types and a preset's values are both
+# checked against them (pretrain/argument_types.py: finite, in range, one line naming the value).
+NUMBER_RANGES = {"nodes": (int, {"at_least": 1}), "gpus_per_node": (int, {"at_least": 0}),
+                 "tasks_per_node": (int, {"at_least": 1}), "cpus_per_task": (int, {"at_least": 1}),
+                 "mem_gb": (float, {"above": 0}), "max_requeues": (int, {"at_least": 0}),
+                 "signal_delay_s": (int, {"at_least": 1})}
+
 OPTION_HELP = {
-    "cluster": "slurm, local, or auto (slurm where sbatch exists)",
+    "cluster": "slurm, local, or auto (slurm where sbatch and srun exist)",
     "nodes": "nodes (Slurm)",
     "gpus_per_node": "GPUs per node; one task (process) per GPU; 0 for a CPU job",
     "tasks_per_node": "processes per node (default: gpus-per-node, or 1 on CPUs)",
@@ -84,12 +100,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                                help="a further #SBATCH option, e.g. --sbatch exclusive= --sbatch mail-type=END "
                                     "(repeatable)")
             continue
-        kind = {"nodes": int, "gpus_per_node": int, "tasks_per_node": int, "cpus_per_task": int,
-                "mem_gb": float, "max_requeues": int, "signal_delay_s": int}.get(field.name, str)
         default = f" (default: {field.default})" if field.default is not None else ""
-        group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind, default=None,
-                           metavar="N" if kind is not str else field.name.split("_")[0].upper(),
-                           help=OPTION_HELP[field.name] + default)
+        if field.name in NUMBER_RANGES:
+            kind, limits = NUMBER_RANGES[field.name]
+            group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=number(kind, **limits),
+                               default=None, metavar="N", help=OPTION_HELP[field.name] + default)
+        else:
+            group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, default=None,
+                               metavar=field.name.split("_")[0].upper(), help=OPTION_HELP[field.name] + default)
 
 
 def load_preset(name_or_path: str) -> dict:
@@ -111,6 +129,12 @@ def load_preset(name_or_path: str) -> dict:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {known}"
             raise LaunchError(f"--preset {path}: unknown option {key!r}{hint}")
+        if key in NUMBER_RANGES and preset[key] is not None:
+            kind, limits = NUMBER_RANGES[key]
+            try:
+                preset[key] = parse_number(str(preset[key]), kind, **limits)
+            except ValueError as error:
+                raise LaunchError(f"--preset {path}: {key}: {error}") from None
     return preset
 
 
@@ -135,8 +159,17 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         raise LaunchError(f"cluster options: {error}") from None
     check(options)
     if options.cluster == "auto":
-        options.cluster = "slurm" if shutil.which("sbatch") else "local"
+        options.cluster = "slurm" if not missing_slurm_commands() else "local"
+    elif options.cluster == "slurm" and missing_slurm_commands():
+        raise LaunchError(f"--cluster slurm: Slurm was not found here ({' and '.join(missing_slurm_commands())} not "
+                          "on PATH): submit from a Slurm login node, or pass --cluster local to run the same job on "
+                          "this machine")
     return options
+
+
+def missing_slurm_commands() -> list[str]:
+    """The Slurm commands a submission needs (sbatch submits; submitit's SlurmExecutor wants srun) not on PATH."""
+    return [command for command in ("sbatch", "srun") if shutil.which(command) is None]
 
 
 def time_limit_minutes(text: str) -> int:
@@ -157,21 +190,18 @@ def time_limit_minutes(text: str) -> int:
         seconds = first * 60 + second
     else:                                                # HH:MM:SS
         seconds = first * 3600 + second * 60 + third
+    if seconds == 0:
+        # Slurm reads a zero limit as "no limit": the job would never get its signal to checkpoint and requeue.
+        raise LaunchError(f"--time {text!r} is Slurm's 'no time limit', but a job saves a checkpoint and requeues "
+                          "itself before its limit, so it needs one: give minutes or [D-]HH:MM:SS (e.g. --time "
+                          "2-00:00:00; the job requeues itself at each limit, up to --max-requeues times)")
     return max(1, -(-seconds // 60))
 
 
 def check(options: ClusterOptions) -> None:
+    """The options together (each number's range is checked where it is read: NUMBER_RANGES)."""
     if options.cluster not in ("slurm", "local", "auto"):
         raise LaunchError(f"--cluster {options.cluster!r} is not one of slurm, local, auto")
-    for name in ("nodes", "cpus_per_task"):
-        if getattr(options, name) < 1:
-            raise LaunchError(f"--{name.replace('_', '-')} {getattr(options, name)} must be at least 1")
-    if options.gpus_per_node < 0 or (options.tasks_per_node is not None and options.tasks_per_node < 1):
-        raise LaunchError(f"--gpus-per-node {options.gpus_per_node} must be >= 0 and --tasks-per-node "
-                          f"{options.tasks_per_node} >= 1")
-    if options.max_requeues < 0 or options.signal_delay_s < 1:
-        raise LaunchError(f"--max-requeues {options.max_requeues} must be >= 0 and --signal-delay-s "
-                          f"{options.signal_delay_s} >= 1")
     minutes = time_limit_minutes(options.time)
     if options.signal_delay_s >= minutes * 60:
         raise LaunchError(f"--signal-delay-s {options.signal_delay_s} must be shorter than the time limit "
@@ -187,31 +217,73 @@ def sbatch_flags(extra: dict) -> dict:
             for key, value in extra.items()}
 
 
-def build_executor(options: ClusterOptions, folder: Path, job_name: str):
-    """A submitit executor for `options` (sbatch through SlurmExecutor, or local processes through
-    LocalExecutor), writing its scripts and logs to `folder`."""
-    import submitit
-
-    minutes = time_limit_minutes(options.time)
-    if options.cluster == "local":
-        executor = submitit.LocalExecutor(folder=str(folder), max_num_timeout=options.max_requeues)
-        executor.update_parameters(timeout_min=minutes, tasks_per_node=options.tasks,
-                                   gpus_per_node=options.gpus_per_node, signal_delay_s=options.signal_delay_s)
-        return executor
-    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=options.max_requeues)
-    parameters = dict(job_name=options.job_name or job_name, time=minutes, nodes=options.nodes,
-                      ntasks_per_node=options.tasks, cpus_per_task=options.cpus_per_task,
-                      signal_delay_s=options.signal_delay_s,
-                      additional_parameters={"requeue": True, **sbatch_flags(options.sbatch)})
+def slurm_parameters(options: ClusterOptions, job_name: str, dependency: str | None = None) -> dict:
+    """The sbatch parameters of a job, in submitit's names (what SlurmExecutor.update_parameters and
+    submitit.slurm.slurm._make_sbatch_string take): a pure function of the options, so the script is built and
+    checked without Slurm. `dependency`: Slurm's `--dependency` (e.g. `afterok:123`)."""
+    additional = {"requeue": True, **sbatch_flags(options.sbatch)}
+    parameters = dict(job_name=options.job_name or job_name, time=time_limit_minutes(options.time),
+                      nodes=options.nodes, ntasks_per_node=options.tasks, cpus_per_task=options.cpus_per_task,
+                      signal_delay_s=options.signal_delay_s, additional_parameters=additional)
+    if dependency:
+        # kill-on-invalid-dep: a job whose dependency can no longer be met is cancelled, not left pending
+        parameters["dependency"] = dependency
+        additional["kill-on-invalid-dep"] = "yes"
     if options.gpus_per_node:
         parameters["gpus_per_node"] = options.gpus_per_node
     if options.mem_gb:
-        parameters["mem"] = f"{int(options.mem_gb * 1024)}M"
+        parameters["mem"] = f"{math.ceil(options.mem_gb * 1024)}M"      # never --mem=0: Slurm's "all the memory"
     for name in ("partition", "account", "qos", "constraint"):
         if getattr(options, name):
             parameters[name] = getattr(options, name)
-    executor.update_parameters(**parameters)
+    return parameters
+
+
+def build_executor(options: ClusterOptions, folder: Path, job_name: str, dependency: str | None = None):
+    """A submitit executor for `options` (sbatch through SlurmExecutor, or local processes through
+    LocalExecutor), writing its scripts and logs to `folder`; `dependency` applies on Slurm (a local job
+    runs its stages in order instead)."""
+    import submitit
+
+    if options.cluster == "local":
+        executor = submitit.LocalExecutor(folder=str(folder), max_num_timeout=options.max_requeues)
+        executor.update_parameters(timeout_min=time_limit_minutes(options.time), tasks_per_node=options.tasks,
+                                   gpus_per_node=options.gpus_per_node, signal_delay_s=options.signal_delay_s)
+        return executor
+    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=options.max_requeues)
+    executor.update_parameters(**slurm_parameters(options, job_name, dependency))
     return executor
+
+
+@contextlib.contextmanager
+def sbatch_refusal_in_one_line(options: ClusterOptions, folder: Path):
+    """Around a submission: sbatch's refusal (no Slurm controller answers, a partition or account it does not
+    know...) becomes a LaunchError naming it, not submitit's traceback, and what the failed submission wrote in
+    `folder` (its script, the folders made for it) is removed."""
+    import submitit
+
+    if options.cluster != "slurm":
+        yield
+        return
+    created = next((path for path in reversed([folder, *folder.parents]) if not path.exists()), None)
+    before = set(folder.iterdir()) if created is None else set()
+    printed, refusal = io.StringIO(), None     # submitit prints sbatch's stderr before raising: it goes in the line
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as error:
+        refusal = " ".join(str(error).split()) or "no message"
+    finally:
+        if refusal is None:
+            sys.stderr.write(printed.getvalue())
+    if refusal is not None:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        else:
+            for path in set(folder.iterdir()) - before:
+                path.unlink(missing_ok=True)
+        raise LaunchError(f"--cluster slurm: sbatch refused the job ({refusal}); check that the cluster answers "
+                          "(sinfo), or pass --cluster local to run the same job on this machine")
 
 
 # ============ submitting a job, recorded in RUN_DIR/jobs.jsonl ============
@@ -223,8 +295,11 @@ def record_job(run_dir: Path, kind: str, job, options: ClusterOptions, steps: li
              "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr),
              "tasks": options.nodes * options.tasks, "commands": [step.describe() for step in steps]}
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "jobs.jsonl", "a") as jobs:
-        jobs.write(json.dumps(entry) + "\n")
+    path = run_dir / "jobs.jsonl"
+    # A write cut short (a kill, a full disk) leaves a line without its newline: this entry starts a line of its own.
+    torn = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    with open(path, "a") as jobs:
+        jobs.write(("\n" if torn else "") + json.dumps(entry) + "\n")
     return entry
 
 
@@ -238,12 +313,9 @@ def submit(options: ClusterOptions, run_dir: Path, kind: str, steps: list[Step],
            announce: bool = True):
     """Submit `steps` as one job for `run_dir` (its scripts and logs in RUN_DIR/jobs), record it in
     RUN_DIR/jobs.jsonl, and print its id, logs and run directory (`announce`; a search prints one line per trial)."""
-    executor = build_executor(options, run_dir / "jobs", run_dir.name)
-    if dependency and options.cluster == "slurm":
-        # kill-on-invalid-dep: a job whose dependency can no longer be met is cancelled, not left pending
-        executor.update_parameters(dependency=dependency, additional_parameters={
-            **executor.parameters.get("additional_parameters", {}), "kill-on-invalid-dep": "yes"})
-    job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
+    executor = build_executor(options, run_dir / "jobs", run_dir.name, dependency)
+    with sbatch_refusal_in_one_line(options, run_dir / "jobs"):
+        job = executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
     entry = record_job(run_dir, kind, job, options, steps)
     if announce:
         report(entry, run_dir)
@@ -258,7 +330,7 @@ def submit_array(options: ClusterOptions, folder: Path, name: str, kind: str, ru
     executor = build_executor(options, folder, name)
     if parallel is not None:
         executor.update_parameters(array_parallelism=parallel)
-    with executor.batch():
+    with sbatch_refusal_in_one_line(options, folder), executor.batch():
         jobs = [executor.submit(StageJob(steps, options.max_requeues, str(run_dir), time_limit_minutes(options.time)))
                 for run_dir, steps in runs]
     for (run_dir, steps), job in zip(runs, jobs):

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -25,16 +26,29 @@ def run_directories(root: Path) -> list[Path]:
     return sorted({path.parent for pattern in ("*/jobs.jsonl", "*/config.yaml") for path in root.glob(pattern)})
 
 
+JOB_FIELDS = ("kind", "job_id", "cluster", "folder")       # what every line of jobs.jsonl holds (record_job)
+
+
 def latest_job_of_each_stage(run_dir: Path) -> list[dict]:
-    """The latest job of each stage (jobs.jsonl's `kind`) of the run, in the order the stages were first submitted."""
+    """The latest job of each stage (jobs.jsonl's `kind`) of the run, in the order the stages were first submitted.
+    A line that is not a job's record (a write cut short by a kill or a full disk tears the last line) is skipped
+    with a note naming the file and the line: the other jobs are still read."""
     jobs = run_dir / "jobs.jsonl"
     if not jobs.is_file():
         return []
     latest: dict[str, dict] = {}
-    for line in jobs.read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(jobs.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             job = json.loads(line)
-            latest[job["kind"]] = job
+        except ValueError:
+            job = None
+        if not isinstance(job, dict) or any(field not in job for field in JOB_FIELDS):
+            print(f"note: {jobs} line {number} is not a job's record (a write cut short?), skipped: {line[:60]!r}",
+                  file=sys.stderr)
+            continue
+        latest[job["kind"]] = job
     return list(latest.values())
 
 

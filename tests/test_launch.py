@@ -1,10 +1,16 @@
 """The launcher's pure parts: the distributed environment a job derives from Slurm's variables (2 nodes x 2
-tasks, a compressed host list), rendezvous ports, sweeps, presets and flags, time limits, the status table."""
+tasks, a compressed host list), rendezvous ports, sweeps, presets and flags, time limits, the sbatch script, the
+status table; and what a user sees where Slurm is missing or does not answer.
+
+None of these needs Slurm (CI's machines have none): the sbatch script is rendered by submitit's own function from
+`slurm_parameters`, and a Slurm whose controller does not answer is an `sbatch` on PATH that fails as sbatch then
+does. The real-Slurm tests are tests/test_launch_slurm.py."""
 import json
 import os
 import time
 from argparse import Namespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +20,26 @@ from launch.status import status_table
 from launch.sweep import run_name, sweep_combinations
 
 ROOT = Path(__file__).parents[1]
+CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
+
+
+def put_on_path(monkeypatch, folder: Path, **scripts: str) -> None:
+    """Shell scripts named after the keys, in `folder`, first on PATH (real executables that subprocess and
+    shutil.which find, as they find Slurm's)."""
+    folder.mkdir(exist_ok=True)
+    for name, script in scripts.items():
+        (folder / name).write_text(f"#!/bin/sh\n{script}\n")
+        (folder / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.fixture
+def slurm_without_controller(tmp_path, monkeypatch):
+    """sbatch and srun on PATH as on a login node whose Slurm controller does not answer: sbatch fails as it does
+    then (exit 1, its error on stderr)."""
+    put_on_path(monkeypatch, tmp_path / "slurm_bin", srun="exit 1",
+                sbatch='echo "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect '
+                       'failure)" >&2; exit 1')
 
 
 def slurm_task(monkeypatch, node: int, local: int, tasks_per_node: int = 2, nodes: int = 2,
@@ -90,6 +116,13 @@ def test_time_limits_in_minutes_or_slurm_notation():
         time_limit_minutes("two hours")
 
 
+@pytest.mark.parametrize("limit", ["0", "0:00", "0-0", "00:00:00"])
+def test_a_zero_time_limit_is_refused_by_its_own_name(limit):
+    """Slurm reads --time 0 as 'no limit'; it was taken for a 1-minute limit and blamed on --signal-delay-s."""
+    with pytest.raises(LaunchError, match=f"--time '{limit}' is Slurm's 'no time limit', but a job .* needs one"):
+        cluster_options(options(cluster="local", time=limit))
+
+
 def options(**given) -> Namespace:
     from dataclasses import fields
 
@@ -101,7 +134,7 @@ def options(**given) -> Namespace:
     return Namespace(**values)
 
 
-def test_flags_override_the_preset_and_bad_options_are_refused_by_name(tmp_path):
+def test_flags_override_the_preset_and_bad_options_are_refused_by_name(tmp_path, slurm_without_controller):
     preset = tmp_path / "cluster.yaml"
     preset.write_text("cluster: slurm\nnodes: 2\ngpus_per_node: 8\npartition: gpu\ntime: '12:00:00'\n"
                       "sbatch: {exclusive: ''}\n")
@@ -120,6 +153,75 @@ def test_flags_override_the_preset_and_bad_options_are_refused_by_name(tmp_path)
         cluster_options(options(cluster="local", time="5", signal_delay_s=600))
     with pytest.raises(LaunchError, match="--nodes 2 needs --cluster slurm"):
         cluster_options(options(cluster="local", nodes=2))
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["pretrain", "--mem-gb", "-4"], "argument --mem-gb: -4 is not"),
+    (["pretrain", "--nodes", "0"], "argument --nodes: 0 is not"),
+    (["pretrain", "--gpus-per-node", "1.5"], "argument --gpus-per-node: '1.5' is not"),
+    (["finetune", "--run", "R", "--signal-delay-s", "nan"], "argument --signal-delay-s: 'nan' is not"),
+    (["pipeline", "--eval-gpus", "3"], "argument --eval-gpus: 3 is not"),
+    (["pipeline", "--eval-mem-gb", "0"], "argument --eval-mem-gb: 0 is not"),
+    (["pipeline", "--watch-poll-seconds", "-1"], "argument --watch-poll-seconds: -1 is not"),
+    (["eval-watch", "--run", "R", "--poll-seconds", "inf"], "argument --poll-seconds: 'inf' is not"),
+])
+def test_a_bad_number_is_refused_by_its_option_before_the_command_runs(capsys, argv, named):
+    """Every numeric option is checked by its argparse type (pretrain/argument_types.py), in one line; `--mem-gb -4`
+    was accepted, and `--eval-watch --poll-seconds inf` reached the job."""
+    from launch.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and named in err and len(err.splitlines()) == 1, err
+
+
+def test_a_presets_numbers_are_checked_as_the_flags_are(tmp_path):
+    preset = tmp_path / "cluster.yaml"
+    preset.write_text("cluster: local\nmem_gb: -4\n")
+    with pytest.raises(LaunchError, match=f"--preset {preset}: mem_gb: -4 is not"):
+        cluster_options(options(preset=str(preset)))
+    preset.write_text("cluster: local\nnodes: 1\ncpus_per_task: 0\n")
+    with pytest.raises(LaunchError, match="cpus_per_task: 0 is not"):
+        cluster_options(options(preset=str(preset)))
+
+
+def test_cluster_slurm_where_slurm_is_not_installed_is_one_line_that_names_cluster_local(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """As on a machine that never had Slurm: `--cluster slurm` gave submitit's traceback ('Could not detect
+    "srun"'); `--cluster auto` with sbatch but no srun chose Slurm and crashed the same way."""
+    from launch.__main__ import main
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))          # no sbatch, no srun
+    run_dir = tmp_path / "r"
+    assert main(["pretrain", "--config", CONFIG, f"run_dir={run_dir}", "--cluster", "slurm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Slurm was not found here (sbatch and srun not on PATH)" in err and "--cluster local" in err
+    assert not run_dir.exists()
+    put_on_path(monkeypatch, tmp_path / "bin", sbatch="exit 1")
+    assert cluster_options(options(cluster="auto")).cluster == "local"
+    with pytest.raises(LaunchError, match="srun not on PATH"):
+        cluster_options(options(cluster="slurm"))
+
+
+def test_sbatch_failing_is_one_line_naming_it_and_the_failed_submission_leaves_nothing(tmp_path, capsys,
+                                                                                        slurm_without_controller):
+    """No Slurm controller answers: sbatch exits 1. That was submitit's FailedJobError traceback, after sbatch's
+    own line; now one line (sbatch's reason, and --cluster local), and no run or sweep directory, script or log."""
+    from launch.__main__ import main
+
+    run_dir, sweep_dir, existing = tmp_path / "r", tmp_path / "sweep", tmp_path / "existing"
+    existing.mkdir()
+    for argv in (["pretrain", "--config", CONFIG, f"run_dir={run_dir}"],
+                 ["pretrain", "--config", CONFIG, "--sweep", "optim.lr=0.1,0.2", "--sweep-dir", str(sweep_dir)],
+                 ["eval-watch", "--run", str(existing)]):
+        assert main([*argv, "--cluster", "slurm"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert "sbatch refused the job (sbatch: error: Batch job submission failed: Unable to contact slurm " \
+               "controller (connect failure))" in err and "--cluster local" in err
+    assert not run_dir.exists() and not sweep_dir.exists() and list(existing.iterdir()) == []
 
 
 def test_cli_refuses_a_bad_config_before_submitting_anything(tmp_path):
@@ -160,24 +262,65 @@ def test_status_table_reads_jobs_steps_and_latest_evaluations(tmp_path):
                                          ["final-eval", "999999993", "ENDED"]]
 
 
-def test_pipeline_evaluation_jobs_have_their_own_resources_and_bare_sbatch_flags_stay_bare(tmp_path):
+def test_a_torn_line_in_jobs_jsonl_is_skipped_with_a_note_and_the_next_record_starts_a_line_of_its_own(
+        tmp_path, capsys):
+    """A kill or a full disk during record_job tears the last line of RUN_DIR/jobs.jsonl. `launch status` printed a
+    JSON error without the file's name and showed nothing; and the next record, appended to the torn line, was
+    unreadable too."""
+    from launch.__main__ import main
+    from launch.cluster import ClusterOptions, record_job
+
+    run = tmp_path / "run"
+    run.mkdir()
+    job = {"kind": "pretrain", "job_id": "999999991", "cluster": "local", "folder": str(run / "jobs")}
+    (run / "jobs.jsonl").write_text(json.dumps(job) + "\n" + json.dumps({**job, "kind": "eval-watch"})[:30])
+    assert main(["status", str(run)]) == 0
+    shown = capsys.readouterr()
+    assert "pretrain 999999991" in shown.out
+    assert f"note: {run / 'jobs.jsonl'} line 2 is not a job's record (a write cut short?), skipped" in shown.err
+    paths = SimpleNamespace(folder=run / "jobs", stdout=run / "jobs/out", stderr=run / "jobs/err")
+    record_job(run, "final-eval", SimpleNamespace(job_id="999999993", paths=paths), ClusterOptions(cluster="local"), [])
+    assert main(["status", str(run)]) == 0
+    assert "final-eval 999999993" in capsys.readouterr().out
+
+
+def sbatch_script(options, folder: Path, job_name: str, dependency: str | None = None) -> str:
+    """The sbatch script of a job, rendered by submitit's own function (what SlurmExecutor writes) from
+    slurm_parameters: no Slurm needed."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from launch.cluster import slurm_parameters
+
+    return _make_sbatch_string(command="python -c 1", folder=folder,
+                               **slurm_parameters(options, job_name, dependency))
+
+
+def test_pipeline_evaluation_jobs_have_their_own_resources_and_bare_sbatch_flags_stay_bare(
+        tmp_path, slurm_without_controller):
     """The watcher and the final evaluations: one task, a GPU when the training has GPUs, their own memory, cores
     and constraint, never --exclusive (they inherited the training preset's). `--sbatch exclusive=` is written
-    `#SBATCH --exclusive` (it was `--exclusive=''`)."""
+    `#SBATCH --exclusive` (it was `--exclusive=''`). The script used to come from a SlurmExecutor, which cannot be
+    made where Slurm is not installed (`Could not detect "srun"`): CI's machines."""
     from launch.__main__ import build_parser, evaluation_options
     from launch.cluster import build_executor
 
     training = cluster_options(options(cluster="slurm", nodes=2, gpus_per_node=8, cpus_per_task=10, mem_gb=500,
                                        constraint="h100", sbatch=["exclusive=", "mail-type=END"]))
-    script = build_executor(training, tmp_path, "pretrain")._make_submission_file_text("python -c 1", "uid")
+    script = sbatch_script(training, tmp_path, "pretrain")
     assert "#SBATCH --exclusive\n" in script and "#SBATCH --mail-type=END" in script
     assert "#SBATCH --constraint=h100" in script and "#SBATCH --mem=512000M" in script
+    assert "#SBATCH --requeue" in script and "#SBATCH --time=60" in script and "--dependency" not in script
+    # the executor submit() uses writes the same script (srun is on PATH here: a SlurmExecutor can be made)
+    executor = build_executor(training, tmp_path, "pretrain")
+    assert executor._make_submission_file_text("python -c 1", "uid") == script
+    later = sbatch_script(training, tmp_path, "final-eval", dependency="afterok:42")
+    assert "#SBATCH --dependency=afterok:42" in later and "#SBATCH --kill-on-invalid-dep=yes" in later
 
     args = build_parser().parse_args(["pipeline", "--config", "c.yaml"])
     watcher = evaluation_options(training, args)
     assert (watcher.nodes, watcher.tasks, watcher.gpus_per_node, watcher.cpus_per_task) == (1, 1, 1, 10)
     assert watcher.mem_gb is None and watcher.constraint is None and watcher.sbatch == {"mail-type": "END"}
-    script = build_executor(watcher, tmp_path, "eval-watch")._make_submission_file_text("python -c 1", "uid")
+    script = sbatch_script(watcher, tmp_path, "eval-watch")
     assert "--exclusive" not in script and "--constraint" not in script and "--mem" not in script
     args = build_parser().parse_args(["pipeline", "--config", "c.yaml", "--eval-gpus", "0", "--eval-mem-gb", "32",
                                       "--eval-cpus-per-task", "4", "--eval-constraint", "cpu"])
@@ -190,8 +333,6 @@ def test_pipeline_evaluation_jobs_have_their_own_resources_and_bare_sbatch_flags
 @pytest.mark.parametrize("bad, named", [
     (["--transfer", "bogus"], "--transfer 'bogus': bogus is not a transfer stage"),
     (["--watch-protocols", "knn,foo"], "--watch-protocols 'knn,foo': foo is not a protocol"),
-    (["--eval-gpus", "3"], "--eval-gpus 3"),
-    (["--watch-poll-seconds", "-1"], "--watch-poll-seconds -1.0 must be a positive"),
     (["--transfer", "finetune", "--finetune-config", "nowhere.yaml"], "nowhere.yaml"),
     (["--finetune-config", "configs/transfer/finetune_digits.yaml"], "--transfer has no finetune"),
 ])
@@ -207,6 +348,8 @@ def test_pipeline_refuses_what_its_jobs_would_fail_on_before_submitting(tmp_path
 @pytest.mark.parametrize("argv, named", [
     (["eval-watch", "--run", "{tmp}/missing"], "no such run directory; start the pretraining first"),
     (["eval-watch", "--run", "{tmp}", "--protocols", "knn,foo"], "foo is not a protocol"),
+    (["eval-watch", "--run", "{tmp}", "--protocols", "bogus"], "error: --protocols 'bogus': bogus is not a protocol"),
+    (["eval-watch", "--run", "{tmp}", "--protocols", ","], "error: --protocols ',' names no protocol"),
     (["finetune", "--run", "{tmp}/missing"], "no such run directory"),
     (["finetune", "--run", "{tmp}", "data.label_fraction=150%"], "label_fraction"),
     (["finetune", "--run", "{tmp}"], "has no backbone.pth yet"),
