@@ -25,6 +25,7 @@ import json
 import math
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -38,6 +39,8 @@ from launch.cluster import ClusterOptions, LaunchError, submit, submit_array
 from launch.coordinate_descent import PAPER_DIRECTIONS, coordinate_descent
 from launch.jobs import Step
 from launch.sweep import run_name
+from pretrain.argument_types import (non_negative_int, number, number_list, output_folder, parse_number,
+                                     positive_int)
 
 SEARCH_METHODS = ("cd", "random", "tpe", "cmaes")
 
@@ -119,8 +122,9 @@ class Objective:
         return float(value)
 
 
-def config_value(config: str | None, overrides: list[str], key: str):
-    """The value of a dotted config key in the config (with overrides), to know its type and starting value."""
+def config_value(config: str | None, overrides: list[str], key: str, option: str) -> int | float:
+    """The value of a dotted config key in the config (with overrides), to know its type and starting value; a key
+    that is not a number (`method.name`) is refused naming `option`: a search moves numbers."""
     from pretrain.config import load_config
 
     value = load_config(config, overrides)
@@ -128,6 +132,9 @@ def config_value(config: str | None, overrides: list[str], key: str):
         if not hasattr(value, part):
             raise LaunchError(f"{key}: the config has no such key (see pretrain/config.py)")
         value = getattr(value, part)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LaunchError(f"{option} {key}: the config's {key} is {value!r}, not a number; {option} searches numeric "
+                          "keys (to compare values of another kind, use `launch pretrain --sweep`)")
     return value
 
 
@@ -194,11 +201,26 @@ class TrialJobs:
     def run_dir(self, name: str) -> Path:
         return self.search_dir / "trials" / name
 
+    def pretrain_overrides(self, name: str, trial_overrides: list[str]) -> list[str]:
+        """The config overrides of the trial's pretraining."""
+        return [*self.overrides, *trial_overrides, f"name={name}", f"run_dir={self.run_dir(name)}"]
+
     def steps(self, name: str, trial_overrides: list[str]) -> list[Step]:
         run_dir = self.run_dir(name)
         config = ["--config", str(Path(self.config).resolve())] if self.config else []
-        return [Step("pretrain", [*config, *self.overrides, *trial_overrides, f"name={name}", f"run_dir={run_dir}"]),
+        return [Step("pretrain", [*config, *self.pretrain_overrides(name, trial_overrides)]),
                 Step("eval", [self.objective.protocol, "--run", str(run_dir), *self.eval_args], distributed=False)]
+
+    def check_trial(self, name: str, trial_overrides: list[str], option: str) -> None:
+        """Load the config the trial's pretraining would, so that a value the config refuses (`optim.name=1`, a
+        crop fraction above 1) is named, with the `option` that gave it, before any job is submitted."""
+        from pretrain.config import load_config
+
+        try:
+            load_config(self.config, self.pretrain_overrides(name, trial_overrides))
+        except ValueError as error:
+            raise LaunchError(f"{option} gives a trial {' '.join(trial_overrides)}, which the config refuses: "
+                              f"{error}") from None
 
     def tidy(self, run_dir: Path) -> None:
         """A measured trial keeps its result, config, metrics, logs and final export (backbone.pth); its checkpoints,
@@ -285,20 +307,24 @@ class TrialJobs:
 # ============ python -m launch grid ============
 
 def grid_axis(text: str, factor: float) -> tuple[str, list[float]]:
-    """`KEY=V1,V2,...`, or `KEY=LOW:HIGH`: LOW, LOW x factor, ... up to HIGH (the paper: steps of 2)."""
+    """`KEY=V1,V2,...`, or `KEY=LOW:HIGH`: LOW, LOW x factor, ... up to HIGH (the paper: steps of 2; `factor` > 1,
+    checked by --factor's type). The values are finite, positive and increasing: a grid is searched in log space."""
     key, _, values = text.partition("=")
+    parts = values.split(":") if ":" in values else [v for v in values.split(",") if v.strip()]
+    if not key or not parts or (":" in values and len(parts) != 2):
+        raise LaunchError(f"--axis {text!r} is not KEY=LOW:HIGH or KEY=V1,V2,... (e.g. --axis method.lambda_p=0.0625:4 "
+                          "or --axis optim.lr=0.1,0.2,0.4)")
     try:
-        if ":" in values:
-            low, high = (float(v) for v in values.split(":"))
-            count = int(math.floor(math.log(high / low) / math.log(factor) + 1e-9)) + 1
-            points = [low * factor ** i for i in range(count)]
-        else:
-            points = [float(v) for v in values.split(",") if v.strip()]
-    except ValueError:
-        points = []
-    if not key or not points or any(p <= 0 for p in points) or sorted(set(points)) != points:
-        raise LaunchError(f"--axis {text!r} is not KEY=LOW:HIGH or KEY=V1,V2,... of positive, increasing values "
-                          "(e.g. --axis method.lambda_p=0.0625:4)")
+        points = [parse_number(part.strip(), float, above=0) for part in parts]
+    except ValueError as error:
+        raise LaunchError(f"--axis {text!r}: {error}") from None
+    if ":" in values:
+        low, high = points
+        count = int(math.floor(math.log(high / low) / math.log(factor) + 1e-9)) + 1 if low <= high else 0
+        points = [low * factor ** i for i in range(count)]
+    if not points or sorted(set(points)) != points:
+        raise LaunchError(f"--axis {text!r}: a grid's values must be positive, increasing (V1 < V2 < ..., or LOW "
+                          "below HIGH)")
     return key, points
 
 
@@ -312,7 +338,7 @@ def run_grid(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) 
     axes = dict(grid_axis(text, args.factor) for text in args.axis)
     if len(axes) != len(args.axis):
         raise LaunchError(f"--axis names a key twice: {args.axis}")
-    integer_keys = {key for key in axes if isinstance(config_value(args.config, args.overrides, key), int)}
+    integer_keys = {key for key in axes if isinstance(config_value(args.config, args.overrides, key, "--axis"), int)}
     search_dir = Path(args.out_dir).resolve()
     jobs = trial_jobs(options, search_dir, args.config, args.overrides, objective, args.eval_args, args.parallel,
                       args.keep_checkpoints)
@@ -324,6 +350,9 @@ def run_grid(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) 
             point = {key: axis[i] for (key, axis), i in zip(axes.items(), index)}
             overrides = assignments(point, integer_keys)
             yield index, run_name("point", overrides), overrides
+
+    for _, name, overrides in trials():             # every point's config, before any job is submitted
+        jobs.check_trial(name, overrides, "--axis")
 
     def finished(index, value):
         values[index] = np.nan if value is None else value
@@ -389,10 +418,16 @@ def run_search(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs
     space = [SearchKey.parse(text) for text in args.space]
     if len({key.key for key in space}) != len(space):
         raise LaunchError(f"--space names a key twice: {args.space}")
-    if args.trials < 1 or args.parallel < 1:
-        raise LaunchError(f"--trials {args.trials} and --parallel {args.parallel} must be >= 1")
-    integer_keys = {key.key for key in space if isinstance(config_value(args.config, args.overrides, key.key), int)}
+    integer_keys = {key.key for key in space
+                    if isinstance(config_value(args.config, args.overrides, key.key, "--space"), int)}
     search_dir = Path(args.out_dir).resolve()
+    jobs = trial_jobs(options, search_dir, args.config, args.overrides, objective, args.eval_args,
+                      1 if args.method == "cd" else args.parallel, args.keep_checkpoints)
+    for corner in ("low", "high"):                  # the box's corners: a value the config refuses, named now
+        jobs.check_trial(f"trial_{corner}", assignments({key.key: getattr(key, corner) for key in space},
+                                                        integer_keys), "--space")
+    descent = coordinate_descent_setup(args, space) if args.method == "cd" else None
+    # Every argument is checked: only now is anything written (a refused command must leave no search behind).
     check_same_search(search_dir, search_settings(args, space))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = f"sqlite:///{search_dir / 'study.db'}"
@@ -402,8 +437,6 @@ def run_search(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs
     study = optuna.create_study(storage=storage, study_name="search", direction="maximize", load_if_exists=True,
                                 sampler=sampler("random" if args.method == "cd" else args.method, args.seed + resumed))
     distributions = {key.key: optuna.distributions.FloatDistribution(key.low, key.high, log=key.log) for key in space}
-    jobs = trial_jobs(options, search_dir, args.config, args.overrides, objective, args.eval_args,
-                      1 if args.method == "cd" else args.parallel, args.keep_checkpoints)
 
     def overrides_of(params: dict) -> list[str]:
         return assignments({key.key: params[key.key] for key in space}, integer_keys)
@@ -421,22 +454,28 @@ def run_search(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs
         jobs.run(((t.number, f"trial{t.number:04d}", overrides_of(t.params)) for t in unfinished), finished)
 
     if args.method == "cd":
-        run_coordinate_descent(args, space, study, distributions, jobs, overrides_of, finished)
+        run_coordinate_descent(args, space, descent, study, distributions, jobs, overrides_of, finished)
     else:
         def next_trials():
             while len(study.trials) < args.trials:
                 trial = study.ask(distributions)
                 yield trial.number, f"trial{trial.number:04d}", overrides_of(trial.params)
         jobs.run(next_trials(), finished)
+    if not any(trial.state == optuna.trial.TrialState.COMPLETE for trial in study.trials):
+        # a table of failures, and a best-so-far plot of nothing, would read as a finished search
+        failed = len(study.trials)
+        print(f"error: every trial of the search failed ({failed} of {failed}): their logs are {search_dir}/trials/*/"
+              "jobs/*_log.err (each named above); no results are written. Fix the cause, then start the search again "
+              "with another --out-dir", file=sys.stderr)
+        return 1
     write_search_results(study, space, objective, search_dir, args.method)
     return 0
 
 
-def run_coordinate_descent(args, space, study, distributions, jobs, overrides_of, finished) -> None:
-    """Algorithm 1 with each evaluation a trial of the study, in order: a resumed search walks the same path, its
-    finished trials read back from the study (the path is deterministic given the values)."""
-    import optuna
-
+def coordinate_descent_setup(args: argparse.Namespace,
+                             space: list[SearchKey]) -> tuple[np.ndarray, list[int], list[float]]:
+    """cd's directions, trials per line search and starting point (in search coordinates), checked against the
+    space before the search writes anything."""
     dimensions = len(space)
     if args.directions == "paper":
         if dimensions not in (2, 3):
@@ -445,15 +484,25 @@ def run_coordinate_descent(args, space, study, distributions, jobs, overrides_of
         directions = PAPER_DIRECTIONS[:dimensions, :dimensions]
     else:
         directions = np.eye(dimensions)
-    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [3] * dimensions
-    if args.start:
-        start_values = [float(v) for v in args.start.split(",")]
-    else:                                          # the config's own values, clipped into the box
-        start_values = [float(config_value(args.config, args.overrides, key.key)) for key in space]
-    if len(start_values) != dimensions or len(budgets) != dimensions:
-        raise LaunchError(f"--start {args.start!r} and --budgets {args.budgets!r} need one value per --space key "
-                          f"({dimensions})")
+    budgets = args.budgets or [3] * dimensions
+    # the start: the config's own values by default; clipped into the box below
+    start_values = args.start or [float(config_value(args.config, args.overrides, key.key, "--space"))
+                                  for key in space]
+    for option, values in (("--budgets", budgets), ("--start", start_values)):
+        if len(values) != dimensions:
+            raise LaunchError(f"{option} {','.join(f'{v:g}' for v in values)} needs one value per --space key "
+                              f"({dimensions})")
     start = [key.to_search(min(max(v, key.low), key.high)) for key, v in zip(space, start_values)]
+    return directions, budgets, start
+
+
+def run_coordinate_descent(args, space, descent, study, distributions, jobs, overrides_of, finished) -> None:
+    """Algorithm 1 with each evaluation a trial of the study, in order: a resumed search walks the same path, its
+    finished trials read back from the study (the path is deterministic given the values). `descent`: the
+    directions, budgets and start of coordinate_descent_setup."""
+    import optuna
+
+    directions, budgets, start = descent
     evaluations = itertools.count()
 
     def evaluate(point: np.ndarray) -> float:
@@ -543,8 +592,10 @@ def add_trial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-args", default="", type=lambda text: text.split(),
                         help="extra arguments of `python -m eval PROTOCOL`, as one string (e.g. "
                              "--eval-args=--split-classes)")
-    parser.add_argument("--parallel", type=int, default=1, help="trials running at once (default: %(default)s)")
-    parser.add_argument("--out-dir", required=True, help="the search's directory: trials/, results, and the study")
+    parser.add_argument("--parallel", type=positive_int, default=1,
+                        help="trials running at once (default: %(default)s)")
+    parser.add_argument("--out-dir", required=True, type=output_folder,
+                        help="the search's directory: trials/, results, and the study")
     parser.add_argument("--keep-checkpoints", action="store_true",
                         help="keep each measured trial's checkpoints and exports (default: removed once its result "
                              "exists; its final backbone.pth, config, metrics and logs stay)")
@@ -555,7 +606,7 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--axis", action="append", required=True, metavar="KEY=LOW:HIGH",
                         help="a grid axis: KEY=LOW:HIGH in multiplicative steps of --factor, or KEY=V1,V2,...; "
                              "once per key")
-    parser.add_argument("--factor", type=float, default=2.0,
+    parser.add_argument("--factor", type=number(float, above=1), default=2.0,
                         help="the multiplicative step of KEY=LOW:HIGH axes (default: %(default)s, the paper's)")
 
 
@@ -567,11 +618,14 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=SEARCH_METHODS, default="cd",
                         help="cd: the paper's coordinate descent; random, tpe, cmaes: Optuna's samplers "
                              "(default: %(default)s)")
-    parser.add_argument("--trials", type=int, default=20, help="the search's budget of trials (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="the Optuna sampler's seed (default: %(default)s)")
+    parser.add_argument("--trials", type=positive_int, default=20,
+                        help="the search's budget of trials (default: %(default)s)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="the Optuna sampler's seed (default: %(default)s)")
     parser.add_argument("--directions", choices=("paper", "identity"), default="paper",
                         help="cd's search directions: the paper's A (balance, joint learning rate[, batch size]) or "
                              "the keys one at a time (default: %(default)s)")
-    parser.add_argument("--budgets", help="cd's trials per line search along each direction, e.g. 3,3 (default: 3 "
-                                          "each)")
-    parser.add_argument("--start", help="cd's starting point, one value per --space key (default: the config's values)")
+    parser.add_argument("--budgets", type=number_list(int, at_least=1),
+                        help="cd's trials per line search along each direction, e.g. 3,3 (default: 3 each)")
+    parser.add_argument("--start", type=number_list(float),
+                        help="cd's starting point, one value per --space key (default: the config's values)")

@@ -25,6 +25,7 @@ import numpy as np
 
 from launch.coordinate_descent import (PAPER_DIRECTIONS, area_under_curve, best_so_far, coordinate_descent,
                                        trials_to_reach)
+from pretrain.argument_types import non_negative_int, number, positive_int
 
 OPTUNA_SAMPLERS = ("random", "tpe", "cmaes")
 METHODS = ("cd", *OPTUNA_SAMPLERS)
@@ -38,6 +39,7 @@ class Grid:
     axes: list[np.ndarray]        # each key's grid values, positive and increasing
     values: np.ndarray            # the objective at every grid point (NaN: a run that did not finish)
     metric: str                   # what the values are (e.g. "knn top-1, k = 20")
+    FIELDS = ("keys", "axes", "values", "metric")       # a grid file's (not a dataclass field: no annotation)
 
     def __post_init__(self):
         self.axes = [np.asarray(axis, dtype=float) for axis in self.axes]
@@ -68,8 +70,16 @@ class Grid:
 
     @classmethod
     def load(cls, path: str | Path) -> "Grid":
+        """The grid in a JSON file (what `python -m launch grid` writes); ValueError when it holds no grid."""
         data = json.loads(Path(path).read_text())
-        return cls(keys=data["keys"], axes=data["axes"], values=data["values"], metric=data["metric"])
+        missing = [field for field in cls.FIELDS if field not in data] if isinstance(data, dict) else cls.FIELDS
+        if missing:
+            raise ValueError(f"is not a grid (it has no {', '.join(missing)}): a grid is a JSON object of "
+                             f"{', '.join(cls.FIELDS)}, as `python -m launch grid` writes it")
+        try:
+            return cls(**{field: data[field] for field in cls.FIELDS})
+        except TypeError as error:             # e.g. axes that are not lists of numbers
+            raise ValueError(f"is not a grid: {error}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"keys": self.keys, "axes": [a.tolist() for a in self.axes],
@@ -205,9 +215,12 @@ def plot_curves(curves: dict[str, np.ndarray], grid: Grid, out: Path) -> None:
 def add_arguments(parser) -> None:
     parser.add_argument("--grid", required=True, type=Path, help="a measured grid (JSON: keys, axes, values, metric)")
     parser.add_argument("--methods", default=",".join(METHODS), help="methods to replay (default: %(default)s)")
-    parser.add_argument("--trajectories", type=int, default=80, help="searches per method (default: %(default)s)")
-    parser.add_argument("--budget", type=int, default=50, help="trials per search (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first search (default: %(default)s)")
+    parser.add_argument("--trajectories", type=positive_int, default=80,
+                        help="searches per method (default: %(default)s)")
+    parser.add_argument("--budget", type=number(int, at_least=20), default=50,
+                        help="trials per search, at least 20: AUC@20 needs 20 (default: %(default)s)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="seed of the first search (default: %(default)s)")
     parser.add_argument("--ablation", action="store_true", help="also the Table 2 settings of coordinate descent")
     parser.add_argument("--out-dir", type=Path, required=True, help="where replay.json and replay.png go")
 
@@ -219,14 +232,11 @@ def run_replay(args) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise LaunchError(f"--methods {args.methods!r}: choose from {', '.join(METHODS)}")
-    if args.trajectories < 1 or args.budget < 20:
-        raise LaunchError(f"--trajectories {args.trajectories} must be >= 1 and --budget {args.budget} >= 20 "
-                          "(AUC@20 needs 20 trials)")
     if not args.grid.is_file():
         raise LaunchError(f"--grid {args.grid}: no such file; measure one with `python -m launch grid`")
     try:
         grid = Grid.load(args.grid)
-    except (ValueError, KeyError) as error:
+    except ValueError as error:              # not JSON, or not a grid (Grid.load names what is missing)
         raise LaunchError(f"--grid {args.grid}: {error}") from None
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise LaunchError(f"--out-dir {args.out_dir} is a file: pass a directory")

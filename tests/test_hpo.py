@@ -7,6 +7,7 @@ trials takes a second. Everything else (the study, the resume, the grid file, th
 jobs themselves run in `test_a_search_runs_its_trials_as_local_jobs`."""
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -133,6 +134,17 @@ def test_a_failed_trial_is_a_failed_trial_of_the_study_and_the_search_goes_on(tm
     assert study.trials[2].state == optuna.trial.TrialState.FAIL and len(study.trials) == 5
 
 
+def test_a_search_whose_every_trial_failed_exits_non_zero_naming_the_logs_and_writes_no_results(tmp_path, capsys):
+    """It exited 0 and wrote trials.json and best_so_far.png, a results table of nothing but failures."""
+    ComputedTrials.fail = {f"trial{number:04d}" for number in range(3)}
+    args = parse("hpo", "--space", "method.lambda_p=0.0625:4:log", "--space", "method.lambda_e=0.0625:4:log",
+                 "--method", "random", "--trials", "3", "--out-dir", str(tmp_path))
+    assert run_search(args, ComputedTrials) == 1
+    err = capsys.readouterr().err
+    assert f"error: every trial of the search failed (3 of 3): their logs are {tmp_path}/trials/*/jobs/" in err
+    assert not (tmp_path / "trials.json").exists() and not (tmp_path / "best_so_far.png").exists()
+
+
 def test_a_search_directory_with_other_settings_is_refused_naming_them(tmp_path):
     search(tmp_path, "random", 3)
     with pytest.raises(LaunchError, match=r"other settings \(method: 'random' there\)"):
@@ -177,6 +189,68 @@ def test_the_commands_refuse_a_bad_key_or_direction_setting_in_one_line(tmp_path
     assert main([*base, "--space", "method.lambda_p=1:2", "--eval-args=--split-clases"]) == 2
     assert "--eval-args '--split-clases': `python -m eval retrieval` does not take them" in capsys.readouterr().err
     assert not (tmp_path / "s" / "trials").exists()                          # nothing ran
+
+
+SPACE = ["--space", "method.lambda_p=0.0625:4:log", "--space", "method.lambda_e=0.0625:4:log"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["hpo", *SPACE, "--budgets", "3,x"], "argument --budgets: '3,x': 'x' is not"),
+    (["hpo", *SPACE, "--start", "a,b"], "argument --start: 'a,b': 'a' is not"),
+    (["hpo", *SPACE, "--trials", "0"], "argument --trials: 0 is not"),
+    (["hpo", *SPACE, "--seed", "-1"], "argument --seed: -1 is not"),
+    (["grid", "--axis", "method.lambda_p=1,2", "--parallel", "0"], "argument --parallel: 0 is not"),
+    (["grid", "--axis", "method.lambda_p=1:4", "--factor", "1"], "argument --factor: 1 is not"),
+    (["grid", "--axis", "method.lambda_p=1:4", "--factor", "0.5"], "argument --factor: 0.5 is not"),
+    (["hpo", *SPACE, "--out-dir", __file__], f"argument --out-dir: {__file__} is a file"),
+])
+def test_a_bad_number_is_refused_by_its_option_when_the_command_line_is_read(capsys, argv, named):
+    """`--budgets 3,x` and `--start a,b` printed "invalid literal ..." after search.json and study.db were written,
+    so the corrected command was refused as "a search with other settings"; `--parallel 0` ran no trial and
+    reported every point failed; `--factor 0.5` was blamed on --axis. Now argparse refuses them, before anything
+    runs (parse_args only: a regression must not start a search)."""
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args([*argv, "--config", CONFIG, "--cluster", "local", "--out-dir", "s"])
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and named in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--budgets", "3"], "--budgets 3 needs one value per --space key (2)"),
+    (["--start", "1,1,1"], "--start 1,1,1 needs one value per --space key (2)"),
+    (["--space", "optim.lr=0.1:1", "--space", "optim.weight_decay=0.1:1"], "--directions paper needs 2 or 3 keys"),
+    (["--space", "method.name=1:2", "--directions", "identity"],
+     "--space method.name: the config's method.name is 'contrastive_balance', not a number"),
+    (["--space", "data.eval_crop_fraction=0.5:1.5", "--directions", "identity"],
+     "data.eval_crop_fraction=1.5, which the config refuses: data.eval_crop_fraction=1.5 must lie in (0, 1]"),
+])
+def test_a_refused_search_writes_nothing_and_the_corrected_command_then_runs(tmp_path, argv, named):
+    """Each was refused after search.json and study.db were written (and `method.name` as "could not convert
+    string to float"): the corrected command was then refused as "a search with other settings"."""
+    out = tmp_path / "s"
+    with pytest.raises(LaunchError, match=re.escape(named)):
+        run_search(parse("hpo", *SPACE, "--trials", "2", "--out-dir", str(out), *argv), ComputedTrials)
+    assert not out.exists() and ComputedTrials.submitted == []
+    assert len(search(out, "cd", 2)) == 2                              # the corrected command: not refused
+
+
+def test_a_grid_checks_every_points_config_before_submitting_any(tmp_path):
+    """`--axis optim.name=1,2` (a key that is not a number) and a value the config refuses submitted one job per
+    point, each of which failed; `--axis K=0:4` and `K=1:inf` were a ZeroDivisionError and an OverflowError."""
+    def grid(*axes: str) -> int:
+        return run_grid(parse("grid", *(part for axis in axes for part in ("--axis", axis)), "--out-dir",
+                              str(tmp_path / "g")), ComputedTrials)
+
+    with pytest.raises(LaunchError, match="--axis optim.name: the config's optim.name is 'sgd', not a number"):
+        grid("optim.name=1,2")
+    with pytest.raises(LaunchError, match=r"--axis gives a trial .*data.eval_crop_fraction=1.5, which the config "
+                                          r"refuses: data.eval_crop_fraction=1.5 must lie in \(0, 1\]"):
+        grid("method.lambda_p=1", "method.lambda_e=1", "data.eval_crop_fraction=0.5,1.5")
+    with pytest.raises(LaunchError, match="--axis 'method.lambda_p=0:4': 0 is not"):
+        grid("method.lambda_p=0:4")
+    with pytest.raises(LaunchError, match="--axis 'method.lambda_p=1:inf': 'inf' is not finite"):
+        grid("method.lambda_p=1:inf")
+    assert ComputedTrials.submitted == [] and not (tmp_path / "g").exists()
 
 
 def test_a_restarted_grid_waits_for_a_trial_job_still_running_from_before_instead_of_submitting_it(tmp_path):
