@@ -49,6 +49,7 @@ from torch import nn
 
 from pretrain.checkpoint import resume_from_newest_loadable, run_layout, save_checkpoint
 from pretrain.config_error import ConfigError
+from pretrain.cpu_threads import configure_threads
 from pretrain.data import DatasetError
 from pretrain.distributed import (finite_on_every_rank, first_non_finite_tensor, init_distributed,
                                   parameters_finite_on_every_rank)
@@ -84,6 +85,7 @@ class LoopOptions:
     sync_batchnorm: bool = True     # GPUs, several processes
     channels_last: bool = False     # GPUs
     device: str = "auto"            # auto (CUDA when available) | cpu
+    threads: int = 0                # CPU threads per process; 0: its share of the cores (pretrain/cpu_threads.py)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> LoopOptions:
@@ -95,7 +97,7 @@ class LoopOptions:
                    print_every_steps=e.print_every_steps, checkpoint_every_steps=e.checkpoint_every_steps,
                    keep_checkpoints=e.keep_checkpoints,
                    image_grid_every_steps=e.get("image_grid_every_steps", 0), sync_batchnorm=e.sync_batchnorm,
-                   channels_last=e.channels_last)
+                   channels_last=e.channels_last, threads=e.get("threads", 0))
 
 
 def deepspeed_config(options: LoopOptions) -> dict:
@@ -276,6 +278,9 @@ def run_training(stage: Stage) -> Any:
     stage.check_inputs()                                # before any process group or worker starts
     check_writable(stage.run_dir)
     rank, world_size, device = init_distributed(o.device)
+    threads = configure_threads(o.threads)              # after the launcher's LOCAL_WORLD_SIZE is known
+    if rank == 0 and device.type == "cpu":
+        print(f"{world_size} process(es) on the CPU, {threads} thread(s) each (engine.threads)", flush=True)
     run_dir = stage.run_dir
     created = first_missing_directory(run_dir)          # what a refused fresh start must not leave behind
     try:

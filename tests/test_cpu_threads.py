@@ -1,0 +1,37 @@
+"""CPU threads per training process (pretrain/cpu_threads.py): the CPUs it may use, shared by the ranks of a node."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pretrain.cpu_threads import usable_cpus
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_threads_follow_the_affinity_slurm_and_the_ranks_sharing_the_node():
+    machine = set(range(64))
+    assert usable_cpus({}, machine, 64) == 64
+    assert usable_cpus({}, {0, 1, 2, 3}, 64) == 4                           # taskset / a container: its CPUs
+    assert usable_cpus({"LOCAL_WORLD_SIZE": "2"}, machine, 64) == 32         # two ranks on the whole node: half each
+    assert usable_cpus({"LOCAL_WORLD_SIZE": "2"}, set(range(8)), 64) == 8    # a rank pinned to its own cores
+    assert usable_cpus({"SLURM_CPUS_PER_TASK": "4", "LOCAL_WORLD_SIZE": "8"}, machine, 64) == 4   # the task's
+    assert usable_cpus({"SLURM_CPUS_PER_TASK": "16"}, {0, 1}, 64) == 2       # never more than it may run on
+    assert usable_cpus({"LOCAL_WORLD_SIZE": "4"}, {0, 1}, 2) == 1            # at least one
+
+
+def test_a_training_process_computes_with_its_share_unless_told():
+    """torch's default is every core of the machine in every process; OMP_NUM_THREADS (torchrun sets 1 for several
+    processes) and engine.threads win over the computed share."""
+    script = ("import torch\nfrom pretrain.cpu_threads import configure_threads\n"
+              "print(configure_threads(0), configure_threads(3), torch.get_num_threads())")
+    cores = len(os.sched_getaffinity(0))
+
+    def threads(**environ) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+        return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**env, **environ}, capture_output=True,
+                              text=True, check=True).stdout.split()
+
+    assert threads() == [str(cores), "3", "3"]
+    assert threads(OMP_NUM_THREADS="1") == ["1", "3", "3"]
+    assert threads(LOCAL_WORLD_SIZE=str(cores)) == ["1", "3", "3"]
