@@ -3,14 +3,15 @@ the code before it (commit f45537e) for the same seed, and the host-only ("meta"
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.data.augment import (augment_views, canvas_to_device, crop_resize_flip_one_by_one, gaussian_blur,
-                                   gaussian_blur_)
+from pretrain.data.augment import (augment_views, canvas_to_device, check_view_group, crop_resize_flip_by_matmuls,
+                                   crop_resize_flip_one_by_one, gaussian_blur, gaussian_blur_)
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
 
@@ -39,6 +40,7 @@ def test_views_equal_those_of_the_code_before_the_cpu_path_was_rewritten():
     for got, want in zip(views, expected["views"]):
         assert got.shape == want.shape and got.is_contiguous()
         assert (got - want).abs().max() < 1e-5
+    assert torch.equal(views[1], expected["views"][1])         # the small views' matmuls: bit for bit
     for got, want in zip(boxes, expected["boxes"]):
         assert torch.equal(got, want)
 
@@ -71,18 +73,19 @@ def test_gaussian_blur_is_the_dense_2d_convolution_with_reflected_borders(path):
                 assert torch.allclose(blurred[view, :, y, x].double(), value, atol=1e-6)
 
 
-def test_each_large_view_is_its_own_antialiased_resize_of_the_rounded_crop():
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_each_large_view_is_its_own_antialiased_resize_of_the_rounded_crop(interpolation):
     """The one-by-one path writes view k into slot k of one channel-first float batch: exactly the uint8 resize
     of its rounded crop, mirrored when flipped, times the pixel scale."""
     canvas = reference_inputs()[0][:2]                                   # two images, two views each
     boxes = torch.tensor([[0.1, 0.2, 0.6, 0.9], [0.0, 0.0, 1.0, 1.0], [0.55, 0.05, 0.95, 0.45], [0.3, 0.3, 0.7, 0.8]],
                          dtype=torch.float64)
     flip = torch.tensor([False, True, True, False])
-    views = crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, 1 / 255)
+    views = crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, 1 / 255, interpolation=interpolation)
     assert views.shape == (4, 3, 40, 40) and views.is_contiguous() and views.dtype == torch.float32
     for k, (x0, y0, x1, y1) in enumerate((boxes * 72).round().long().tolist()):
         crop = canvas[k // 2, y0:y1, x0:x1].permute(2, 0, 1)[None]
-        resized = F.interpolate(crop, size=(40, 40), mode="bilinear", antialias=True, align_corners=False)[0]
+        resized = F.interpolate(crop, size=(40, 40), mode=interpolation, antialias=True, align_corners=False)[0]
         expected = (resized.flip(-1) if flip[k] else resized).float() * (1 / 255)
         assert torch.allclose(views[k], expected, atol=1e-7)
 
@@ -114,11 +117,13 @@ def test_freed_memory_is_kept_for_reuse_only_when_asked():
     assert applied.stdout.strip() == "True" and left.stdout.strip() == "False"
 
 
-def test_views_cut_from_padded_decoded_images_never_read_the_padding():
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_views_cut_from_padded_decoded_images_never_read_the_padding(interpolation):
     """`canvas_size` 0: each image sits in the top-left corner of a batch padded to the largest one. Whatever the
     padding holds, both resize paths (40 px one by one, 12 px by matmuls) draw the same views; a whole-image
     view without jitter is the image itself resized."""
     canvas, _, groups, mean, std = reference_inputs()
+    groups = [replace(group, interpolation=interpolation) for group in groups]
     extent = torch.tensor([[72, 72], [50, 64], [64, 30], [33, 41]])       # the images' own heights and widths
     views = {}
     for fill in (0, 255):
@@ -127,9 +132,74 @@ def test_views_cut_from_padded_decoded_images_never_read_the_padding():
             padded[k, height:], padded[k, :, width:] = fill, fill
         views[fill], _ = augment_views(padded, extent, groups, mean, std, torch.Generator().manual_seed(0), extent)
     assert all(torch.equal(a, b) for a, b in zip(views[0], views[255]))
-    whole = ViewGroup(count=1, size=40, scale=(1.0, 1.0), ratio=(0.1, 10.0), flip_p=0.0, jitter_p=0.0, grayscale_p=0.0)
+    whole = ViewGroup(count=1, size=40, scale=(1.0, 1.0), ratio=(0.1, 10.0), flip_p=0.0, jitter_p=0.0, grayscale_p=0.0,
+                      interpolation=interpolation)
     drawn, _ = augment_views(canvas, extent, [whole], (0.0,) * 3, (1.0,) * 3, torch.Generator().manual_seed(0), extent)
     height, width = extent[1].tolist()
     image = canvas[1:2, :height, :width].permute(0, 3, 1, 2)
-    expected = F.interpolate(image, size=(40, 40), mode="bilinear", antialias=True, align_corners=False).float() / 255
+    expected = F.interpolate(image, size=(40, 40), mode=interpolation, antialias=True, align_corners=False).float() / 255
     assert torch.allclose(drawn[0][1, 0], expected[0], atol=1e-6)
+
+
+def keys_cubic(distance: float) -> float:
+    """Keys (1981) cubic convolution with a = -0.5, PIL's bicubic filter, written out on its own."""
+    d, a = abs(distance), -0.5
+    if d <= 1:
+        return (a + 2) * d ** 3 - (a + 3) * d ** 2 + 1
+    return a * d ** 3 - 5 * a * d ** 2 + 8 * a * d - 4 * a if d < 2 else 0.0
+
+
+def test_bicubic_views_are_the_brute_force_antialiased_cubic_resize_of_their_crop():
+    """The matmuls' bicubic view (GPUs; the CPU's views under 32 px), pixel by pixel: the crop's output pixel centres
+    on the canvas, Keys' cubic at the distance to every canvas pixel centre divided by the downscale factor (at least
+    1), normalised, clamped to [0, 1]; a whole-image view equals torch's antialiased bicubic resize."""
+    canvas = torch.rand(1, 18, 21, 3, generator=torch.Generator().manual_seed(5))     # one image, three views
+    boxes = torch.tensor([[0.1, 0.2, 0.7, 0.9], [0.3, 0.0, 0.5, 0.4], [0.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
+    views_per_image, size = 3, 7
+    flip = torch.tensor([False, True, False])
+    views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, interpolation="bicubic")
+    for k, (x0, y0, x1, y1) in enumerate(boxes.tolist()):
+        def weights(start, length, source):
+            step = length / size
+            rows = []
+            for i in range(size):
+                centre = start + (i + 0.5) * step
+                row = [keys_cubic((j + 0.5 - centre) / max(step, 1.0)) for j in range(source)]
+                rows.append([w / sum(row) for w in row])
+            return torch.tensor(rows, dtype=torch.float64)
+        rows, cols = weights(y0 * 18, (y1 - y0) * 18, 18), weights(x0 * 21, (x1 - x0) * 21, 21)
+        expected = torch.einsum("yh,hwc,xw->yxc", rows, canvas[0].double(), cols).clamp(0, 1)
+        if flip[k]:
+            expected = expected.flip(1)
+        assert torch.allclose(views[k].double(), expected, atol=1e-5)
+    whole = F.interpolate(canvas.permute(0, 3, 1, 2), size=(size, size), mode="bicubic", antialias=True,
+                          align_corners=False).clamp(0, 1)
+    assert torch.allclose(views[2].permute(2, 0, 1), whole[0], atol=1e-5)
+    bilinear = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip)
+    assert not torch.allclose(bilinear, views, atol=1e-3)
+    with pytest.raises(ValueError, match=r"interpolation='nearest' is not one of \('bilinear', 'bicubic'\)"):
+        check_view_group(ViewGroup(interpolation="nearest"))
+
+
+def test_the_torchvision_loader_resizes_with_the_groups_interpolation(tmp_path):
+    """The torchvision backend's crops take ViewGroup.interpolation too: a whole-image view without jitter is the
+    image resized with that filter (the classic pipeline of PIL images, as DataAugmentationDINO)."""
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as TF
+
+    from pretrain.data.torchvision_loader import ImageFolderViews
+
+    (tmp_path / "class").mkdir()
+    pixels = (255 * torch.rand(30, 40, 3, generator=torch.Generator().manual_seed(2))).to(torch.uint8).numpy()
+    Image.fromarray(pixels).save(tmp_path / "class" / "image.png")
+    drawn = {}
+    for interpolation in ("bilinear", "bicubic"):
+        whole = ViewGroup(count=1, size=12, scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3), flip_p=0.0, jitter_p=0.0,
+                          grayscale_p=0.0, interpolation=interpolation)
+        views, _, _, _ = ImageFolderViews(tmp_path, [whole], (0.0,) * 3, (1.0,) * 3)[0]
+        expected = TF.to_tensor(TF.resize(Image.fromarray(pixels), [12, 12], InterpolationMode(interpolation),
+                                          antialias=True))
+        assert torch.allclose(views[0][0], expected, atol=1e-6)
+        drawn[interpolation] = views[0][0]
+    assert not torch.allclose(drawn["bilinear"], drawn["bicubic"], atol=1e-3)

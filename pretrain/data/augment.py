@@ -9,13 +9,14 @@ training device:
    `torchvision.transforms.RandomResizedCrop.get_params` but with continuous (not integer) coordinates.
    Boxes are returned as fractions of the source width / height.
 2. Crop + resize + horizontal flip of all views of a group as two batched matmuls with antialiased
-   linear-interpolation matrices (separable; the flip is the column matrix reversed). This replaces the
+   interpolation matrices (separable; the flip is the column matrix reversed), bilinear or, with the group's
+   `interpolation: bicubic`, Keys' cubic as PIL's and torch's antialiased bicubic (DINO's crops). This replaces the
    `torchvision.ops.roi_align` design: on the CPU roi_align took 17 ms (1 sample per bin, aliased) to 54 ms
    (adaptive sampling) for 1024 views 64 -> 32 px, the matmuls about 8 ms, with proper antialiasing.
    The flip is appearance only: the box stays the source region. A dense resize matrix costs size x canvas^2
    multiply-adds per view, though: on GPUs that is cheap, on CPUs at ImageNet sizes it is not (a 224 px view
    from a 384 px canvas: 0.3 GFLOP). There, views of `PER_VIEW_MIN_SIZE` px and more are cropped one by one
-   and resized with PyTorch's antialiased bilinear kernel on the uint8 canvas (vectorised for channels-last
+   and resized with PyTorch's antialiased kernel on the uint8 canvas (bilinear: vectorised for channels-last
    uint8: 10-30x faster than the matmuls for 96-224 px views, 2x at 32 px, slower only for tiny views); the
    crop box is then rounded to whole canvas pixels (the recorded box stays exact: < 1 canvas pixel apart).
    The large views land in one channel-first float batch, the layout the model reads, and every later step
@@ -122,20 +123,36 @@ def grayscale(images: torch.Tensor) -> torch.Tensor:
     return (LUMA_WEIGHTS[0] * r + LUMA_WEIGHTS[1] * g + LUMA_WEIGHTS[2] * b).unsqueeze(1)
 
 
+INTERPOLATIONS = ("bilinear", "bicubic")      # ViewGroup.interpolation: the filter that resizes the crops
+CUBIC_A = -0.5        # Keys' cubic convolution with a = -0.5: PIL's bicubic filter, and torch's antialiased one
+
+
+def cubic_filter(distance: torch.Tensor) -> torch.Tensor:
+    """Keys' cubic convolution kernel (a = CUBIC_A) at distances >= 0 in filter units: 0 from 2 on."""
+    a = CUBIC_A
+    near = ((a + 2) * distance - (a + 3)) * distance * distance + 1
+    far = ((a * distance - 5 * a) * distance + 8 * a) * distance - 4 * a
+    return torch.where(distance <= 1, near, torch.where(distance < 2, far, torch.zeros_like(distance)))
+
+
 def resize_weights(starts: torch.Tensor, lengths: torch.Tensor, source_size: int, output_size: int,
-                   limits: torch.Tensor | None = None) -> torch.Tensor:
-    """Antialiased linear-interpolation matrices for 1-D crops: (K,) crop starts / lengths in source pixels
+                   limits: torch.Tensor | None = None, interpolation: str = "bilinear") -> torch.Tensor:
+    """Antialiased interpolation matrices for 1-D crops: (K,) crop starts / lengths in source pixels
     -> (K, output_size, source_size) rows that sum to 1.
 
-    A triangle filter whose support widens with the downscale factor (as PIL's and torchvision's
-    antialiased bilinear resize), so large crops are averaged rather than aliased. `limits` (K,): pixels from
+    A triangle filter (bilinear) or Keys' cubic (bicubic) whose support widens with the downscale factor (as PIL's
+    and torch's antialiased resize), so large crops are averaged rather than aliased. `limits` (K,): pixels from
     there on are not the view's image (a batch padded to its largest image) and get no weight, as past the edge.
     """
     step = lengths / output_size
     centres = starts[:, None] + (torch.arange(output_size, dtype=starts.dtype, device=starts.device) + 0.5) * step[:, None]
     support = step.clamp(min=1.0)[:, None, None]
     source_centres = torch.arange(source_size, dtype=starts.dtype, device=starts.device) + 0.5
-    weights = (1 - (source_centres[None, None, :] - centres[:, :, None]).abs() / support).clamp_(min=0)
+    distance = (source_centres[None, None, :] - centres[:, :, None]).abs() / support
+    if interpolation == "bicubic":
+        weights = cubic_filter(distance)
+    else:
+        weights = (1 - distance).clamp_(min=0)
     if limits is not None:
         weights = weights * (source_centres[None, None, :] < limits.to(weights.dtype)[:, None, None])
     return weights / weights.sum(dim=2, keepdim=True)
@@ -145,8 +162,10 @@ PER_VIEW_MIN_SIZE = 32        # on the CPU, views this large or larger are resiz
 
 
 def crop_resize_flip(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
-                     flip: torch.Tensor, pixel_scale: float = 1.0, extent: torch.Tensor | None = None) -> torch.Tensor:
-    """Crop every box from its canvas, resize to size x size (antialiased bilinear) and mirror flipped views.
+                     flip: torch.Tensor, pixel_scale: float = 1.0, extent: torch.Tensor | None = None,
+                     interpolation: str = "bilinear") -> torch.Tensor:
+    """Crop every box from its canvas, resize to size x size (antialiased `interpolation`, one of INTERPOLATIONS)
+    and mirror flipped views. Bicubic values are clamped to [0, 1], as the uint8 pixels of PIL's resize (DINO's).
 
     canvas: (B, H, W, 3) uint8 or float, channels last as decoded; boxes: (B * n, 4) CPU fractions of the image
     (rows b * n .. b * n + n - 1 belong to image b); flip: (B * n,) bool; pixel_scale multiplies every pixel
@@ -156,8 +175,9 @@ def crop_resize_flip(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image:
     reads, written once), channels-last memory from the matmuls (a permuted view, no copy).
     """
     if canvas.device.type == "cpu" and size >= PER_VIEW_MIN_SIZE:
-        return crop_resize_flip_one_by_one(canvas, boxes, views_per_image, size, flip, pixel_scale, extent)
-    views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale, extent)
+        return crop_resize_flip_one_by_one(canvas, boxes, views_per_image, size, flip, pixel_scale, extent,
+                                           interpolation)
+    views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale, extent, interpolation)
     return views.permute(0, 3, 1, 2)                                                        # from (K, y, x, 3)
 
 
@@ -170,10 +190,11 @@ def view_extents(canvas: torch.Tensor, extent: torch.Tensor | None, views_per_im
 
 def crop_resize_flip_one_by_one(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
                                 flip: torch.Tensor, pixel_scale: float = 1.0,
-                                extent: torch.Tensor | None = None) -> torch.Tensor:
+                                extent: torch.Tensor | None = None, interpolation: str = "bilinear") -> torch.Tensor:
     """`crop_resize_flip` on the CPU for views of PER_VIEW_MIN_SIZE px and more: each box rounded to whole canvas
-    pixels, cropped, and resized by `F.interpolate(antialias=True)` on the uint8 canvas when it is one (uint8
-    until the last step), then converted to float straight into its slot of one preallocated channel-first batch:
+    pixels, cropped, and resized by `F.interpolate(mode=interpolation, antialias=True)` on the uint8 canvas when it
+    is one (uint8 until the last step), then converted to float straight into its slot of one preallocated
+    channel-first batch:
     no concatenation, no layout copy of its own. The scale is one `mul_` over the batch afterwards:
     `torch.mul(uint8, scale, out=float)` would fold it into the copy but takes 10x longer than `copy_`."""
     planes = canvas.permute(0, 3, 1, 2)                    # (B, 3, H, W) with channels-last memory, no copy
@@ -183,15 +204,17 @@ def crop_resize_flip_one_by_one(canvas: torch.Tensor, boxes: torch.Tensor, views
     for k, ((x0, y0, x1, y1), mirrored) in enumerate(zip(pixels.tolist(), flip.tolist())):
         x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)
         image = k // views_per_image
-        resized = F.interpolate(planes[image:image + 1, :, y0:y1, x0:x1], size=(size, size), mode="bilinear",
+        resized = F.interpolate(planes[image:image + 1, :, y0:y1, x0:x1], size=(size, size), mode=interpolation,
                                 antialias=True, align_corners=False)[0]
         views[k].copy_(resized.flip(-1) if mirrored else resized)    # uint8 channels-last -> float channel-first
+    if interpolation == "bicubic" and canvas.dtype != torch.uint8:
+        views.clamp_(0, 1 / pixel_scale)        # the cubic's overshoot (a uint8 resize saturates by itself)
     return views.mul_(pixel_scale) if pixel_scale != 1 else views
 
 
 def crop_resize_flip_by_matmuls(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
                                 flip: torch.Tensor, pixel_scale: float = 1.0,
-                                extent: torch.Tensor | None = None) -> torch.Tensor:
+                                extent: torch.Tensor | None = None, interpolation: str = "bilinear") -> torch.Tensor:
     """`crop_resize_flip` as two batched matmuls (GPUs, and small views on the CPU). Separable: one batched
     matmul over canvas rows (the n views of an image share its canvas, no copy), one over columns (the flip is
     the column matrix reversed), instead of a gather + sampler. The interpolation matrices are built on the
@@ -205,15 +228,17 @@ def crop_resize_flip_by_matmuls(canvas: torch.Tensor, boxes: torch.Tensor, views
     heights, widths = extent.to(canvas.device, torch.float32).unbind(1)
     padded = bool((extent[:, 0] < canvas_h).any() or (extent[:, 1] < canvas_w).any())
     rows = resize_weights(boxes[:, 1] * heights, (boxes[:, 3] - boxes[:, 1]) * heights, canvas_h, size,
-                          heights if padded else None)
+                          heights if padded else None, interpolation)
     cols = resize_weights(boxes[:, 0] * widths, (boxes[:, 2] - boxes[:, 0]) * widths, canvas_w, size,
-                          widths if padded else None)
+                          widths if padded else None, interpolation)
     cols = torch.where(flip.to(canvas.device).view(-1, 1, 1), cols.flip(1), cols)
     rows = (rows * pixel_scale).view(batch, views_per_image * size, canvas_h)
     resized_rows = torch.bmm(rows, canvas.reshape(batch, canvas_h, canvas_w * channels))  # (B, n * y, S * 3)
     resized_rows = (resized_rows.view(view_count, size, canvas_w, channels)
                     .transpose(1, 2).reshape(view_count, canvas_w, size * channels))
     views = torch.bmm(cols, resized_rows)                                                  # (B * n, x, y * 3)
+    if interpolation == "bicubic":
+        views.clamp_(0, 1)                      # the cubic's overshoot, as a uint8 resize saturates
     return views.view(view_count, size, size, channels).transpose(1, 2)                   # (B * n, y, x, 3)
 
 
@@ -320,6 +345,9 @@ def check_view_group(group: ViewGroup) -> None:
         value = getattr(group, name)
         if not 0 <= value <= 1:
             raise ValueError(f"ViewGroup.{name} is a probability and must lie in [0, 1], got {value}.")
+    if group.interpolation not in INTERPOLATIONS:
+        raise ValueError(f"ViewGroup.interpolation={group.interpolation!r} is not one of {INTERPOLATIONS} (the filter "
+                         "that resizes the crops; DINO's recipe: bicubic).")
     if not 0 <= group.hue <= 0.5:
         raise ValueError(f"ViewGroup.hue must lie in [0, 0.5] (turns), got {group.hue}.")
     for name in ("brightness", "contrast", "saturation"):
@@ -370,7 +398,7 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
     if device.type == "meta":      # the host's share of a GPU run (canvas_to_device): the device work left out
         return torch.empty(batch, n, 3, size, size, device=device), boxes_out
 
-    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale, extent)     # (K, 3, y, x)
+    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale, extent, group.interpolation)  # (K, 3, y, x)
     one_by_one = views.is_contiguous()         # the CPU's large views; else the matmuls' channels-last memory
     if coloured:
         views = colour_views(views, matrix, mean_coefficient, luma)

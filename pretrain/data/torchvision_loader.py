@@ -96,7 +96,8 @@ class ImageFolderViews(torch.utils.data.Dataset):
             for _ in range(group.count):
                 top, left, crop_h, crop_w = transforms.RandomResizedCrop.get_params(image, list(group.scale),
                                                                                     list(group.ratio))
-                crop = TF.resized_crop(image, top, left, crop_h, crop_w, [group.size, group.size], antialias=True)
+                crop = TF.resized_crop(image, top, left, crop_h, crop_w, [group.size, group.size],
+                                       transforms.InterpolationMode(group.interpolation), antialias=True)
                 views.append(appearance(crop))
                 boxes.append((left / width, top / height, (left + crop_w) / width, (top + crop_h) / height))
             group_views.append(torch.stack(views))

@@ -32,6 +32,9 @@ class ViewGroup:
     blur_p: float = 0.0
     blur_sigma: tuple[float, float] = (0.1, 2.0)
     solarize_p: float = 0.0
+    # The filter that resizes each crop to `size`: bilinear | bicubic (DINO's DataAugmentationDINO, main_dino.py:436;
+    # google-research/simclr's crop_and_resize), both antialiased. Costs: docs/benchmarks.md.
+    interpolation: str = "bilinear"
 
 
 @dataclass
