@@ -172,8 +172,9 @@ def load_backbone_export(path: str | Path, image_size: int | None = None) -> Bac
 
 
 def load_embedding_head(entry: Any, path: Path) -> nn.Module:
-    """The export's `embedding_head` ({in_dim, hidden_dim, out_dim, num_layers, state_dict}, as
-    `pretrain.checkpoint.export_backbone` writes it) rebuilt with `pretrain.models.mlp`, in eval mode."""
+    """The export's `embedding_head` ({in_dim, hidden_dim, out_dim, num_layers, state_dict}, and last_bn, hidden_bn,
+    as `pretrain.checkpoint.export_backbone` writes it) rebuilt with `pretrain.models.mlp`, in eval mode. Exports
+    written before last_bn / hidden_bn were recorded had neither a last BatchNorm nor hidden layers without one."""
     from pretrain.models import mlp
 
     shape_keys = ("in_dim", "hidden_dim", "out_dim", "num_layers")
@@ -182,7 +183,8 @@ def load_embedding_head(entry: Any, path: Path) -> nn.Module:
         raise EvaluationInputError(f"the embedding_head of {path} is not {{{', '.join(shape_keys)}, state_dict}} "
                                    f"(found {found}); re-export it with `python -m pretrain`, or evaluate the backbone "
                                    "(`python -m eval retrieval --features backbone`)")
-    shape = {**{key: int(entry[key]) for key in shape_keys}, "last_bn": str(entry.get("last_bn", "none"))}
+    shape = {**{key: int(entry[key]) for key in shape_keys}, "last_bn": str(entry.get("last_bn", "none")),
+             "hidden_bn": bool(entry.get("hidden_bn", True))}
     head = mlp(**shape)
     try:
         head.load_state_dict(entry["state_dict"])

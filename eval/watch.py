@@ -3,7 +3,8 @@ pretraining run, exactly once and in step order, while the run goes on.
 
 Pretraining publishes a backbone export per checkpoint, RUN_DIR/exports/backbone_stepNNNNNNNN.pth, written to a
 temporary name and renamed (a file that is there is complete), and appends its step to
-exports/published.txt. For every published step and protocol without a result
+exports/published.txt. For every step published or exported (an export on disk is complete, so one whose step is
+not listed, e.g. after published.txt was deleted, is evaluated all the same) and every protocol without a result
 RUN_DIR/eval/<protocol>_stepNNNNNNN.json, oldest step first, the watcher runs the protocol on that export
 (`python -m eval <protocol> --checkpoint EXPORT --run RUN_DIR`): the JSON, written last and atomically, is the
 record that it is done, and its TensorBoard scalars land in RUN_DIR/tb at that step, next to the training
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from eval.results import feature_cache_path, result_path
 from pretrain.graceful_stop import PENDING_STOP_SIGNAL
-from pretrain.checkpoint import export_path, published_export_steps
+from pretrain.checkpoint import EXPORTS, export_path, published_export_steps
 
 PROTOCOLS = ("knn", "linear", "retrieval")   # the sub-commands of `python -m eval` the watcher can run
 FORWARDED = ("train", "val", "image_size", "crop_fraction", "device", "num_workers", "feature_batch_size")
@@ -90,11 +92,22 @@ def job_has_ended(job_id: str, grace_seconds: float) -> str | None:
     return None if alive(state) else state or "gone from squeue"
 
 
+EXPORT_NAME = re.compile(r"backbone_step(\d{8})\.pth")     # export_path's name; a temporary one starts with "."
+
+
+def exported_steps(run_dir: Path) -> list[int]:
+    """The steps of the exports on disk, every one complete (written to a temporary name, then renamed)."""
+    names = [EXPORT_NAME.fullmatch(path.name) for path in (Path(run_dir) / EXPORTS).glob("backbone_step*.pth")]
+    return [int(name.group(1)) for name in names if name]
+
+
 def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]], list[int]]:
     """(step, protocol) pairs still to evaluate, oldest first, and the published steps whose export was
-    deleted before every protocol ran on it."""
+    deleted before every protocol ran on it. The exports on disk count as published: exports/published.txt adds
+    the steps of those since rotated away, and a run whose list is lost (deleted; pretraining would start a new one
+    at its next checkpoint) still has every export evaluated, not reported as done with none."""
     todo, skipped = [], []
-    for step in sorted(set(published_export_steps(run_dir))):
+    for step in sorted(set(published_export_steps(run_dir)) | set(exported_steps(run_dir))):
         missing = [p for p in protocols if not result_path(run_dir, p, step).is_file()]
         if not missing:
             continue

@@ -48,7 +48,10 @@ class DataConfig:
 class ModelConfig:
     arch: str = "resnet18"                   # any timm name: resnet18, resnet50, vit_small_patch16_224, ...
     stem: str = "imagenet"                   # imagenet | small | small_stride2 (ResNets on small images)
-    zero_init_residual: bool = False         # ResNets: last BN of each residual branch starts at 0
+    # None (the default of these two): the value of the method's reference, `reference_model` of its class in
+    # pretrain/methods/NAME.py (SimCLR, SimSiam: zero-init true; DINO, SupCon, TCL: false), filled in by load_config.
+    zero_init_residual: Optional[bool] = None  # ResNets: last BN of each residual branch starts at 0
+    proj_hidden_bn: Optional[bool] = None    # projector's hidden layers Linear(no bias)-BN-ReLU, or Linear-ReLU (false)
     proj_hidden_dim: int = 2048
     proj_out_dim: int = 128
     proj_layers: int = 2
@@ -252,7 +255,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
     """Schema defaults <- YAML file <- `key=value` overrides (values parsed as YAML: 5, 0.1, true, [1, 2]).
 
     The method is chosen first (`method.name` from the overrides, else the file, else simclr), because
-    its `Options` define which `method.*` keys exist.
+    its `Options` define which `method.*` keys exist; `model.*` keys still None then take its reference's values.
     """
     tree = read_config_file(path) if path is not None else {}
     parsed = parse_overrides(list(overrides))
@@ -263,8 +266,19 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
     cfg = OmegaConf.structured(Config)
     cfg.method = OmegaConf.structured(options)
     cfg = merge_checked(cfg, keys, tree, parsed)
+    fill_reference_model_values(cfg)
     validate(cfg)
     return cfg
+
+
+def fill_reference_model_values(cfg: DictConfig) -> None:
+    """The `model.*` keys left at None take the value of the method's reference (`Method.reference_model`), so that
+    RUN_DIR/config.yaml and the export record what was built."""
+    from pretrain.methods import method_module
+
+    for key, value in method_module(cfg.method.name).METHOD.reference_model.items():
+        if cfg.model[key] is None:
+            cfg.model[key] = value
 
 
 def read_config_file(path: str | Path, configs_dir: str = "configs/pretrain/") -> dict:

@@ -160,3 +160,32 @@ def test_a_second_watcher_is_told_to_leave_the_first_running_not_to_rename_the_r
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "another watcher follows this run" in error
     assert "leave it running" in error and "name=" not in error
+
+
+def test_a_run_whose_published_list_is_gone_has_every_export_on_disk_evaluated(tmp_path, capsys):
+    """exports/published.txt deleted with 4 exports on disk: the watcher said "every published checkpoint is evaluated
+    (0 evaluations now)" and exited 0. An export on disk is complete (renamed into place once written), so it is
+    evaluated as published; refusing would leave them unevaluated for good, since pretraining starts a new list with
+    its next checkpoint. An export being written (a temporary name) is still never read."""
+    from eval.__main__ import build_parser
+    from eval.results import result_path
+    from eval.watch import watch
+
+    run_dir = tmp_path / "run"
+    (run_dir / "exports").mkdir(parents=True)
+    for step in (3, 6, 9, 12):
+        (run_dir / f"exports/backbone_step{step:08d}.pth").write_bytes(b"an export")   # read by `evaluate` only
+    (run_dir / "exports/.backbone_step00000015.pth.tmp").write_bytes(b"half an export")
+    (run_dir / "finished.json").write_text(json.dumps({"step": 12, "epoch": 1}))
+    evaluated = []
+
+    def evaluate(argv):                      # records the evaluation as a protocol would: its result JSON
+        step = int(argv[argv.index("--checkpoint") + 1][-12:-4])
+        evaluated.append(step)
+        result_path(run_dir, argv[0], step).write_text(json.dumps({"step": step}))
+
+    args = build_parser().parse_args(["watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "0.1"])
+    assert watch(args, evaluate=evaluate) == 0
+    assert evaluated == [3, 6, 9, 12]
+    assert "every published checkpoint is evaluated (4 evaluations now, 0 checkpoints skipped)" in \
+        capsys.readouterr().out
