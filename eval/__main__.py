@@ -9,6 +9,7 @@ step. User errors (missing or mismatched checkpoint, missing .beton) print one m
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import sys
@@ -20,12 +21,13 @@ import torch
 
 from eval.features import (BackboneExport, EvaluationInputError, embed, evaluation_crop_fraction, evaluation_image_size,
                            extract_features, load_backbone_export, resolve_beton_path, resolve_checkpoint_path,
-                           resolve_device)
+                           resolve_device, stored_identity)
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe, train_linear_probe_on_views
-from eval.results import feature_cache_path, write_results
+from eval.results import RESULTS_DIR, check_writable, feature_cache_path, write_results
 from eval.retrieval import clustering_nmi, retrieval_metrics
 from pretrain.argument_types import positive_float, positive_int
+from pretrain.atomic_write import write_atomically
 
 # ============ inputs: checkpoint, data, features ============
 
@@ -55,6 +57,7 @@ class EvaluationInputs:
         self.num_workers = args.num_workers if args.num_workers is not None else int(data.get("num_workers", 2))
         self.batch_size = args.feature_batch_size
         self.use_cache = not args.no_cache
+        check_writable(self.out_dir / RESULTS_DIR)
 
     def check_same_classes(self) -> None:
         """k-NN and the linear probe match labels by index: refuse train and val sets with other class names."""
@@ -70,12 +73,13 @@ class EvaluationInputs:
         return feature_cache_path(self.out_dir, self.export.step)
 
     def cache_key(self) -> dict[str, Any]:
-        """What the cached features depend on; a cache with another key is recomputed, never reused."""
-        stat = self.checkpoint.stat()
-        return {"checkpoint": str(self.checkpoint.resolve()), "checkpoint_mtime_ns": stat.st_mtime_ns,
-                "checkpoint_bytes": stat.st_size, "train": str(self.train_path.resolve()),
-                "val": str(self.val_path.resolve()), "image_size": int(self.image_size),
-                "crop_fraction": self.crop_fraction,
+        """What the cached features depend on; a cache with another key is recomputed, never reused. The files are
+        named by path and identity (`stored_identity`): a .beton rewritten with other images at the same path is
+        other data."""
+        return {"checkpoint": str(self.checkpoint.resolve()), "checkpoint_identity": stored_identity(self.checkpoint),
+                "train": str(self.train_path.resolve()), "train_identity": stored_identity(self.train_path),
+                "val": str(self.val_path.resolve()), "val_identity": stored_identity(self.val_path),
+                "image_size": int(self.image_size), "crop_fraction": self.crop_fraction,
                 "mean": list(self.mean), "std": list(self.std)}
 
     def image_loader(self, path: Path):
@@ -100,9 +104,22 @@ class EvaluationInputs:
         features = {"train_features": train_features, "train_labels": train_labels,
                     "val_features": val_features, "val_labels": val_labels}
         if self.use_cache:
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"key": key, "features": features}, self.cache_path)
+            self.write_cache({"key": key, "features": features})
         return features
+
+    def write_cache(self, cache: dict[str, Any]) -> None:
+        """Save the cache atomically (a full disk leaves no half-written file); a failed write is one line naming the
+        file (torch reports a full disk as a RuntimeError, "file write failed")."""
+        from pretrain.checkpoint import describe_write_error
+
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.cache_path, lambda tmp: torch.save(cache, tmp))
+        except (OSError, RuntimeError) as error:
+            raise EvaluationInputError(
+                f"could not write the feature cache {self.cache_path}: "
+                f"{describe_write_error(error, self.cache_path.parent)}; free some space there, evaluate into a "
+                "writable folder (--run DIR), or pass --no-cache") from None
 
 
 # ============ outputs: console (the JSON and the TensorBoard scalars: eval/results.py) ============
@@ -411,13 +428,18 @@ def evaluate(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pretrain.data import DatasetError
+    from pretrain.exit_status import UNWRITABLE, one_line
 
     try:
         status = args.handler(args)
     except (EvaluationInputError, DatasetError) as error:
-        from pretrain.exit_status import one_line
-
         print(f"error: {one_line(error)}", file=sys.stderr)     # a loader worker's error: its own message
+        return 2
+    except OSError as error:        # results, a plot, the watcher's lock where they cannot be written
+        if error.errno not in (*UNWRITABLE, errno.ENOTDIR):    # ENOTDIR: a file on the path (--run notes.txt/run)
+            raise
+        print(f"error: cannot write {error.filename or 'the results'}: {error.strerror}; write to a folder on a "
+              "writable filesystem with space left (--run, --out or --out-dir), or free some space", file=sys.stderr)
         return 2
     return status if isinstance(status, int) else 0
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from eval.features import extract_features, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
-from eval.results import write_result
+from eval.results import RESULTS_DIR, check_writable, write_result
 
 KNN_K, KNN_TEMPERATURE = 20, 0.07
 
@@ -76,6 +76,7 @@ def run_baselines(args) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         print(f"error: --out-dir {out_dir} is a file; pass a folder (it gets eval/ and tb/)", file=sys.stderr)
         return 2
+    check_writable(out_dir / RESULTS_DIR)
     device = resolve_device(args.device)
     started = time.time()
     encoders = {"raw_pixels": lambda x: x.flatten(1), "random_init": random_init_backbone(cfg).to(device)}

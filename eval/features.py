@@ -16,6 +16,7 @@ command line prints without a traceback.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,6 +250,27 @@ def resolve_beton_path(override: str | Path | None, config: dict[str, Any], spli
             raise EvaluationInputError(f"{path} (data.{split}) has no labels (written with --unlabeled), which "
                                        f"evaluation scores against: pass a labelled .beton with {option}")
     return path
+
+
+def stored_identity(path: str | Path) -> list[int] | str:
+    """What tells one version of a file from another without reading it: [size, modification time in ns], or for a
+    folder a digest of those of every file under it with their relative paths. Rewriting data (the writer renames a
+    new file into place) changes them. Not the change time: pretraining's hard link RUN_DIR/backbone.pth changes an
+    export's at every checkpoint, and the watcher's protocols would extract its features again. Not a content hash:
+    it would read a 100 GB .beton at every evaluation of every checkpoint; a cache must be cheaper to check than to
+    rebuild."""
+    path = Path(path)
+
+    def identity(file: Path) -> list[int]:
+        status = file.stat()
+        return [status.st_size, status.st_mtime_ns]
+
+    if not path.is_dir():
+        return identity(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(path)}\t{identity(file)}\n".encode())
+    return digest.hexdigest()
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from eval.features import EvaluationInputError
-from eval.results import RESULTS_DIR
+from eval.results import RESULTS_DIR, check_writable
 
 KNN_RESULT = re.compile(r"knn_step(\d{7})\.json")
 
@@ -130,6 +130,7 @@ def run_plot(args) -> int:
     if args.out.is_dir() or args.out.suffix.lower() != ".png":
         raise EvaluationInputError(f"--out {args.out} must be a .png file (e.g. {args.out.with_suffix('.png').name} "
                                    "or docs/knn_curves.png)")
+    check_writable(args.out.parent)
     curves = plot_runs(args.runs, args.out, args.k, args.online, args.smooth, args.title, args.baselines)
     for name, points in curves.items():
         last = f"{100 * points[-1][1]:.2f}% at step {points[-1][0]}" if points else "no k-NN result"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from eval.features import EvaluationInputError, extract_features, load_backbone_
 from eval.knn import weighted_knn
 from eval.linear import cosine_learning_rate, train_linear_probe
 from pretrain.models import create_backbone
-from tests.eval_helpers import RESNET18_SMALL, read_scalars, write_export
+from tests.eval_helpers import RESNET18_SMALL, read_scalars, small_filesystem, write_export
 
 # ============ weighted k-NN ============
 
@@ -441,3 +442,107 @@ def test_an_image_size_too_large_to_decode_is_named_not_the_stored_images(digits
     error = capsys.readouterr().err.strip()
     assert "images of 100000 x 100000 px in batches of 256" in error and "--image-size" in error
     assert "--max-side" not in error and len(error.splitlines()) == 1
+
+
+# ============ the feature cache, and where results cannot be written ============
+
+
+def write_small_beton(path: Path, seed: int, count: int = 30) -> Path:
+    """`count` random 32 px images of 3 classes, written by the project's writer (raw pixels: one count, one size)."""
+    import numpy as np
+
+    from pretrain.data.writer import ArrayImageSet, write_beton
+
+    images = np.random.default_rng(seed).integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)
+    write_beton(path, ArrayImageSet(lambda i: images[i], [i % 3 for i in range(count)], None), write_mode="raw",
+                workers=1)
+    return path
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[str]:
+    """The files whose images the evaluation loaded, in order: each is read as planted in-memory images (FFCV's
+    decoding is not what these tests are about, and costs a second per loader)."""
+    loaded = []
+
+    def in_memory_loader(self, path):
+        loaded.append(Path(path).name)
+        return shuffled_batches(*planted_image_dataset(40, len(loaded)), batch_size=20)
+
+    monkeypatch.setattr(EvaluationInputs, "image_loader", in_memory_loader)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def digits_export(tmp_path_factory, digits) -> Path:
+    """A random ResNet-18 export whose config names the digits."""
+    return write_export(tmp_path_factory.mktemp("export") / "backbone.pth", RESNET18_SMALL.state_dict(),
+                        train=digits / "train.beton", val=digits / "val.beton")
+
+
+def knn_of(export: Path, run: Path, *options: str) -> list[str]:
+    return ["knn", "--checkpoint", str(export), "--run", str(run), "--ks", "5", "--image-size", "16", *options]
+
+
+def one_line_error(capsys) -> str:
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    return error
+
+
+def test_a_rewritten_beton_is_evaluated_again_not_answered_from_the_feature_cache(digits_export, tmp_path, loads):
+    """The cache's key held the data's paths only: a .beton rewritten with other images at the same path got the
+    old features back, and the old result, with exit status 0. Here the other images have the same count and the
+    file the same size: only its identity (size and modification time) tells the two apart."""
+    val = write_small_beton(tmp_path / "val.beton", seed=1)
+    knn = knn_of(digits_export, tmp_path / "run", "--val", str(val))
+    assert main(knn) == 0 and main(knn) == 0
+    assert loads == ["train.beton", "val.beton"]                     # the second answered from the cache
+    size = val.stat().st_size
+    write_small_beton(val, seed=2)                                  # other images, as `pretrain.data write` does
+    assert val.stat().st_size == size
+    assert main(knn) == 0
+    assert loads == ["train.beton", "val.beton"] * 2                 # extracted again, not the old features
+
+
+def test_an_image_folder_has_an_identity_of_its_files(tmp_path):
+    """An image folder evaluated with --val: a file rewritten or added in it is other data for the cache."""
+    from eval.features import stored_identity
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.png").write_bytes(b"one")
+    first = stored_identity(tmp_path)
+    (tmp_path / "a" / "1.png").write_bytes(b"other")
+    second = stored_identity(tmp_path)
+    (tmp_path / "a" / "2.png").write_bytes(b"two")
+    assert len({first, second, stored_identity(tmp_path)}) == 3
+
+
+def test_a_full_disk_while_caching_features_is_one_line_and_leaves_no_partial_file(digits_export, tmp_path, capsys,
+                                                                                   loads):
+    """A real full disk (tests/eval_helpers.py: small_filesystem): torch.save's "file write failed" traceback used
+    to end the k-NN, and a half-written features_step*.pt stayed behind."""
+    with small_filesystem(tmp_path / "disk", "64k") as disk:
+        assert main(knn_of(digits_export, disk / "run")) == 2
+        assert os.listdir(disk / "run" / "eval") == []                 # nothing half-written left
+    error = one_line_error(capsys)
+    assert f"could not write the feature cache {disk}/run/eval/features_step0000120.pt: no space left on device" \
+        in error and "--no-cache" in error
+
+
+def test_results_and_plots_on_a_read_only_filesystem_are_one_line_before_any_work(digits_export, tmp_path, capsys,
+                                                                                  loads):
+    """`eval knn --run`, `eval plot --out` and `eval watch --run` on a real read-only filesystem used to end in
+    tracebacks, k-NN's after extracting every feature."""
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "knn_step0000003.json").write_text(json.dumps({"step": 3, "top1": {"20": 0.5}}))
+    with small_filesystem(tmp_path / "disk", "1m", read_only=True) as read_only:
+        for cache in ([], ["--no-cache"]):
+            assert main(knn_of(digits_export, read_only / "run", *cache)) == 2
+            assert f"cannot write {read_only}: Read-only file system" in one_line_error(capsys)
+        assert loads == []
+        assert main(["plot", str(run), "--out", str(read_only / "curves.png")]) == 2
+        assert f"cannot write {read_only}: Read-only file system" in one_line_error(capsys)
+        assert main(["watch", "--run", str(read_only)]) == 2
+        assert f"cannot write {read_only}/eval: Read-only file system" in one_line_error(capsys)
