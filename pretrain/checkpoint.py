@@ -255,8 +255,8 @@ def export_backbone(module: nn.Module, run_dir: Path, cfg: DictConfig, epoch: in
 
     The backbone is the method's `backbone_to_export()` (DINO: the teacher's, unless method.export=student).
     A method whose loss trains an embedding on a head (`embedding_head_to_export()`, the metric-learning methods'
-    projector) adds embedding_head: {in_dim, hidden_dim, out_dim, num_layers} (`projector_shape`, what rebuilds it
-    with `pretrain.models.mlp`) and its state_dict; readers of the backbone read `state_dict` as before.
+    projector) adds embedding_head: {in_dim, hidden_dim, out_dim, num_layers, last_bn, hidden_bn} (`projector_shape`,
+    what rebuilds it with `pretrain.models.mlp`) and its state_dict; readers of the backbone read `state_dict` as before.
     Every rank must call this (ZeRO-3 gathers the partitioned parameters); rank 0 writes the file,
     atomically, so a reader never sees half a file. Returns the export's path.
     """

@@ -24,7 +24,7 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
     if stem not in STEMS:
         raise ValueError(f"model.stem={stem!r} is not one of {STEMS}")
     kwargs = {"num_classes": 0}
-    if arch.startswith("vit"):
+    if is_vision_transformer(arch):
         kwargs["dynamic_img_size"] = True     # the HVS selection pass may run at a lower resolution
         if image_size is not None:
             kwargs["img_size"] = image_size
@@ -67,26 +67,46 @@ class StridedConv2d(nn.Conv2d):
         return super()._conv_forward(input, weight, bias)
 
 
-def backbone_from_config(cfg: DictConfig) -> nn.Module:
-    """The backbone the `model.*` keys describe; a ViT is sized for the first view group."""
+def is_vision_transformer(arch: str) -> bool:
+    """Whether timm's `arch` is a ViT (sized by its input, and the one kind DINO gives stochastic depth)."""
+    return arch.startswith("vit")
+
+
+def backbone_from_config(cfg: DictConfig, drop_path_rate: float = 0.0) -> nn.Module:
+    """The backbone the `model.*` keys describe; a ViT is sized for the first view group. `model.zero_init_residual`
+    is a bool here: `load_config` fills a None with the method's reference value (`Method.reference_model`)."""
     m = cfg.model
-    return create_backbone(m.arch, m.stem, cfg.data.views[0].size, m.zero_init_residual)
+    return create_backbone(m.arch, m.stem, cfg.data.views[0].size, bool(m.zero_init_residual), drop_path_rate)
+
+
+def without_stochastic_depth(module: nn.Module) -> nn.Module:
+    """`module` with every timm DropPath replaced by nn.Identity, what timm builds at drop_path_rate 0 (no
+    parameters either way, so the state_dict is unchanged): a copy of a student that must not drop blocks, as DINO's
+    teacher, built without the rate (main_dino.py:166). Returns `module`, changed in place."""
+    from timm.layers import DropPath
+
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, DropPath):
+                setattr(parent, name, nn.Identity())
+    return module
 
 
 def projector_from_config(cfg: DictConfig, in_dim: int, last_bn: str | None = None) -> nn.Sequential:
     """The projection MLP the `model.proj_*` keys describe, on `in_dim` backbone features; `last_bn` (a method's
     fixed choice) overrides `model.proj_last_bn`. model.proj_layers=1 is one linear layer (with bias), the
-    embedding layer of the metric-learning papers 001 and 002."""
+    embedding layer of the metric-learning papers 001 and 002; `model.proj_hidden_bn` (filled by `load_config` with
+    the method's reference value) chooses the hidden layers' BatchNorm."""
     shape = projector_shape(cfg, in_dim)
     return mlp(**{**shape, "last_bn": last_bn or shape["last_bn"]})
 
 
 def projector_shape(cfg: DictConfig, in_dim: int) -> dict:
-    """The `mlp` arguments (in_dim, hidden_dim, out_dim, num_layers, last_bn) of `projector_from_config`: what an
-    export records to rebuild the projector without the config's schema."""
+    """The `mlp` arguments (in_dim, hidden_dim, out_dim, num_layers, last_bn, hidden_bn) of `projector_from_config`:
+    what an export records to rebuild the projector without the config's schema."""
     m = cfg.model
     return {"in_dim": int(in_dim), "hidden_dim": int(m.proj_hidden_dim), "out_dim": int(m.proj_out_dim),
-            "num_layers": int(m.proj_layers), "last_bn": str(m.proj_last_bn)}
+            "num_layers": int(m.proj_layers), "last_bn": str(m.proj_last_bn), "hidden_bn": bool(m.proj_hidden_bn)}
 
 
 class ScaleOnlyBatchNorm1d(nn.BatchNorm1d):
@@ -104,14 +124,22 @@ class ScaleOnlyBatchNorm1d(nn.BatchNorm1d):
 LAST_BATCHNORMS = {"none": None, "bn": lambda dim: nn.BatchNorm1d(dim, affine=False), "bn_scale": ScaleOnlyBatchNorm1d}
 
 
-def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: str = "none") -> nn.Sequential:
-    """Linear-BN-ReLU blocks then a final linear, optionally followed by a BatchNorm (and then without bias):
-    last_bn "none"; "bn", without affine parameters (SimSiam's projector); "bn_scale", with a scale and no shift
-    (SimCLR's projector)."""
+def mlp(in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, last_bn: str = "none",
+        hidden_bn: bool = True) -> nn.Sequential:
+    """Hidden blocks then a final linear, optionally followed by a BatchNorm (and then without bias).
+
+    hidden_bn: the hidden blocks are Linear(no bias)-BN-ReLU (SimCLR's, SimSiam's heads) or, False, Linear-ReLU
+      with biases (SupContrast's SupConResNet head, networks/resnet_big.py:174-178).
+    last_bn: "none"; "bn", without affine parameters (SimSiam's projector); "bn_scale", with a scale and no shift
+      (SimCLR's projector).
+    """
     layers: list[nn.Module] = []
     dim = in_dim
     for _ in range(num_layers - 1):
-        layers += [nn.Linear(dim, hidden_dim, bias=False), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True)]
+        if hidden_bn:
+            layers += [nn.Linear(dim, hidden_dim, bias=False), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True)]
+        else:
+            layers += [nn.Linear(dim, hidden_dim), nn.ReLU(inplace=True)]
         dim = hidden_dim
     last_norm = LAST_BATCHNORMS[last_bn]
     layers.append(nn.Linear(dim, out_dim, bias=last_norm is None))

@@ -130,6 +130,33 @@ def test_teacher_lives_outside_the_module_and_is_exported_unless_student():
     assert exported.backbone_to_export() is exported.backbone
 
 
+def test_vit_student_drops_paths_at_rates_rising_to_0_1_and_the_teacher_drops_none():
+    """main_dino.py:162-166: the ViT student gets drop_path_rate 0.1 (HVS Table 7), the teacher none; the teacher here
+    is the student's copy, so its DropPaths become identities: the same weights, a deterministic target in train
+    mode. ResNets get none (main_dino.py:176)."""
+    from timm.layers import DropPath
+
+    vit = ["model.arch=vit_tiny_patch16_224", "model.stem=imagenet",
+           "data.views=[{count: 1, size: 32}, {count: 1, size: 32}, {count: 2, size: 16}]", "hvs.num_views=[2, 2, 4]"]
+    cfg = tiny_config(*vit)
+    assert cfg.method.drop_path_rate == 0.1
+    torch.manual_seed(0)
+    method = build_method(cfg).train()
+    blocks = method.backbone.blocks
+    rates = [block.drop_path1.drop_prob if isinstance(block.drop_path1, DropPath) else 0.0 for block in blocks]
+    assert rates == pytest.approx(np.linspace(0, 0.1, len(blocks)).tolist()) and rates[-1] == pytest.approx(0.1)
+    teacher = method.teacher["backbone"]
+    assert not any(isinstance(module, DropPath) for module in teacher.modules())
+    assert teacher.state_dict().keys() == method.backbone.state_dict().keys()
+    assert all(torch.equal(t, s) for t, s in zip(teacher.state_dict().values(), method.backbone.state_dict().values()))
+    views = [torch.randn(4, 1, 3, 32, 32), torch.randn(4, 1, 3, 32, 32), torch.randn(4, 2, 3, 16, 16)]
+    first, second = method(views), method(views)                              # both in train mode
+    torch.testing.assert_close(first["teacher"], second["teacher"], rtol=0, atol=0)
+    assert not torch.allclose(first["student"], second["student"])            # the student's depth is stochastic
+    resnet = build_method(tiny_config())
+    assert not any(isinstance(module, DropPath) for module in resnet.backbone.modules())
+
+
 def test_head_last_layer_is_weight_normalised():
     method = build_method(tiny_config("method.norm_last_layer=true"))
     last = method.head.last_layer
@@ -319,6 +346,7 @@ def test_state_outside_engine_round_trip():
     (["method.hvs_score=entropy"], "method.hvs_score='entropy' is not one of"),
     (["method.teacher_temp=0"], "must be positive"),
     (["method.momentum_teacher=1.5"], r"must lie in \[0, 1\]"),
+    (["method.drop_path_rate=1.0"], r"method.drop_path_rate=1.0 must lie in \[0, 1\)"),
 ])
 def test_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,12 +1,14 @@
 """Where a method's recipe follows its reference code: weight decay (SimSiam), the projector's end (SimCLR), gradient
-clipping (DINO). The gradient edits themselves are tested through DeepSpeed in tests/test_gradient_edits.py."""
+clipping (DINO), the residual branches' init and the projector's hidden layers (every method), the presets' values
+and the sources their headers name. The gradient edits themselves are tested through DeepSpeed in
+tests/test_gradient_edits.py."""
 import pytest
 import torch
 from torch import nn
 
 from pretrain.config import load_config
 from pretrain.methods import build_method
-from pretrain.models import ScaleOnlyBatchNorm1d
+from pretrain.models import ScaleOnlyBatchNorm1d, backbone_from_config
 from pretrain.optim import build_optimizer, set_schedule_values
 from tests.engine_helpers import CONFIGS
 
@@ -76,3 +78,107 @@ def test_simsiam_normalises_each_training_view_on_its_own_and_the_selection_pool
     z_joint = method.projector(method.backbone(views.flatten(0, 1))).unflatten(0, (6, 2))
     torch.testing.assert_close(joint.train()([views])["z"], z_joint)
     assert not torch.allclose(z_joint, outputs["z"], atol=1e-3)
+
+
+# Each method's reference: whether its ResNet zero-initialises the last BatchNorm of every residual branch, and whether
+# its projector's hidden layers have a BatchNorm (None: the method's head is not model.proj_*'s MLP).
+REFERENCE_MODEL = {
+    "simclr": (True, True),               # google-research/simclr resnet.py:395, :480; model_util.py:162-165
+    "simsiam": (True, True),              # facebookresearch/simsiam simsiam/builder.py:24, :28-33
+    "dino": (False, None),                # facebookresearch/dino main_dino.py:176 (torchvision's default)
+    "supcon": (False, False),             # HobbitLong/SupContrast networks/resnet_big.py:76, :170, :174-178
+    "tcl": (False, False),                # chaitanyaanimesh/Tuned-Contrastive-Learning, its
+                                          # models/resnet_big_pretrained_cifar.py:77, :113
+    "contrastive_balance": (False, True),  # paper 000: no code, no head named
+    "weighted_contrastive": (False, True),  # paper 001: an ImageNet-pretrained backbone, one linear layer
+    "smoco": (False, True),               # paper 002: the same
+}
+
+
+def residual_branch_last_norms(backbone: nn.Module) -> list[nn.BatchNorm2d]:
+    """The BatchNorm that ends each residual branch of a timm ResNet (bn2 of a BasicBlock, bn3 of a Bottleneck)."""
+    from timm.models.resnet import BasicBlock, Bottleneck
+
+    return [m.bn2 if isinstance(m, BasicBlock) else m.bn3 for m in backbone.modules()
+            if isinstance(m, (BasicBlock, Bottleneck))]
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_MODEL))
+def test_each_method_builds_its_references_residual_init_and_projector_by_default(name):
+    """model.zero_init_residual and model.proj_hidden_bn left out take the method's reference value; the built
+    backbone's last BatchNorm of every residual branch is zero exactly then, and the other value is one key away."""
+    from pretrain.methods import method_module
+
+    zero_init, hidden_bn = REFERENCE_MODEL[name]
+    config = CONFIGS / f"{name}_digits.yaml"
+    cfg = load_config(config, TINY)
+    assert cfg.model.zero_init_residual is zero_init and cfg.model.proj_hidden_bn is hidden_bn
+    assert method_module(name).METHOD.reference_model.get("proj_hidden_bn") is hidden_bn
+    for value in (zero_init, not zero_init):
+        norms = residual_branch_last_norms(backbone_from_config(load_config(config, [
+            *TINY, f"model.zero_init_residual={str(value).lower()}"])))
+        assert len(norms) == 8 and all(bool((norm.weight == 0).all()) is value for norm in norms)
+    if hidden_bn is None:
+        return
+    projector = build_method(load_config(config, [*TINY, "model.proj_layers=2"])).projector   # one hidden layer
+    assert any(isinstance(layer, nn.BatchNorm1d) for layer in projector[:-1]) is hidden_bn
+
+
+def test_bottleneck_resnets_zero_initialise_their_third_batchnorm():
+    norms = residual_branch_last_norms(backbone_from_config(load_config(CONFIGS / "simsiam_imagenet_folder.yaml")))
+    assert len(norms) == 16 and all(bool((norm.weight == 0).all()) for norm in norms)
+
+
+@pytest.mark.parametrize("config", sorted(path.name for path in CONFIGS.glob("*.yaml")))
+def test_every_preset_keeps_its_methods_residual_init(config):
+    """No preset departs from its method's reference in model.zero_init_residual (the SimSiam configs and the SimCLR
+    CIFAR preset used to start every residual branch at weight 1)."""
+    from pretrain.methods import method_module
+
+    cfg = load_config(CONFIGS / config)
+    assert cfg.model.zero_init_residual is method_module(cfg.method.name).METHOD.reference_model["zero_init_residual"]
+
+
+@pytest.mark.parametrize("config", ["supcon_cifar_folder.yaml", "tcl_cifar_folder.yaml", "supcon_digits.yaml",
+                                    "tcl_digits.yaml"])
+def test_supcon_and_tcl_project_through_supcontrasts_head_and_views(config):
+    """SupContrast's SupConResNet head is Linear-ReLU-Linear with biases and no BatchNorm (networks/resnet_big.py:
+    174-178; the TCL code's too); model.proj_hidden_bn=true is the Linear(no bias)-BN-ReLU-Linear head of before. The
+    CIFAR presets draw SupContrast's views: RandomResizedCrop scale 0.2-1, ColorJitter(0.4, 0.4, 0.4, 0.1) with p 0.8,
+    grayscale 0.2 (main_supcon.py:147-152)."""
+    cfg = load_config(CONFIGS / config, TINY)
+    torch.manual_seed(0)
+    projector = build_method(cfg).projector
+    assert [type(layer) for layer in projector] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert all(layer.bias is not None for layer in projector if isinstance(layer, nn.Linear))
+    x = torch.randn(5, projector[0].in_features)
+    torch.testing.assert_close(projector(x), projector[2](torch.relu(projector[0](x))))
+    with_bn = build_method(load_config(CONFIGS / config, [*TINY, "model.proj_hidden_bn=true"])).projector
+    assert [type(layer) for layer in with_bn] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Linear]
+    if "cifar" in config:
+        group = cfg.data.views[0]
+        assert tuple(group.scale) == (0.2, 1.0) and group.jitter_p == 0.8 and group.grayscale_p == 0.2
+        assert (group.brightness, group.contrast, group.saturation, group.hue) == (0.4, 0.4, 0.4, 0.1)
+
+
+def test_the_simclr_cifar_preset_holds_google_research_simclrs_cifar_command():
+    """README.md: run.py --train_batch_size=512 --train_epochs=1000 --learning_rate=1.0 --weight_decay=1e-4
+    --temperature=0.5 --resnet_depth=18 --use_blur=False --color_jitter_strength=0.5, with run.py's defaults for
+    the rest (LARS, momentum 0.9, 10 warm-up epochs, linear lr scaling, num_proj_layers 3 of the backbone's width,
+    proj_out_dim 128); strength s: brightness, contrast, saturation 0.8 s, hue 0.2 s (data_util.py:74-77)."""
+    cfg = load_config(CONFIGS / "simclr_cifar_folder.yaml")
+    o, group, m = cfg.optim, cfg.data.views[0], cfg.model
+    assert (cfg.data.batch_size, o.epochs, o.lr, o.lr_scaling, o.weight_decay) == (512, 1000, 1.0, "linear", 1e-4)
+    assert (o.name, o.momentum, o.warmup_epochs, cfg.method.temperature) == ("lars", 0.9, 10, 0.5)
+    strength = 0.5
+    assert (group.brightness, group.contrast, group.saturation, group.hue) == pytest.approx(
+        (0.8 * strength, 0.8 * strength, 0.8 * strength, 0.2 * strength))
+    assert group.blur_p == 0 and tuple(group.scale) == (0.08, 1.0) and group.interpolation == "bicubic"
+    assert (m.arch, m.stem, m.proj_layers, m.proj_hidden_dim, m.proj_out_dim) == ("resnet18", "small", 3, 512, 128)
+    assert m.zero_init_residual and m.proj_hidden_bn and m.proj_last_bn == "bn_scale"
+
+
+@pytest.mark.parametrize("config", sorted(path.name for path in CONFIGS.glob("dino_*.yaml")))
+def test_dino_presets_resize_their_crops_bicubically(config):
+    """DataAugmentationDINO resizes every crop with interpolation=Image.BICUBIC (main_dino.py:436, :443, :452)."""
+    assert all(group.interpolation == "bicubic" for group in load_config(CONFIGS / config).data.views)

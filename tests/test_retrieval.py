@@ -194,21 +194,25 @@ def group_of_one():
     release_distributed()
 
 
-@pytest.mark.parametrize("config, exports_head", [("weighted_contrastive_digits.yaml", True),
-                                                  ("smoco_digits.yaml", True),
-                                                  ("contrastive_balance_digits.yaml", True),
-                                                  ("simclr_digits.yaml", False)])
-def test_export_carries_the_embedding_head_beside_an_unchanged_backbone(group_of_one, tmp_path, config, exports_head):
+@pytest.mark.parametrize("config, exports_head, head", [("weighted_contrastive_digits.yaml", True, []),
+                                                        ("smoco_digits.yaml", True, []),
+                                                        ("contrastive_balance_digits.yaml", True, []),
+                                                        ("contrastive_balance_digits.yaml", True,
+                                                         ["model.proj_hidden_bn=false"]),
+                                                        ("simclr_digits.yaml", False, [])])
+def test_export_carries_the_embedding_head_beside_an_unchanged_backbone(group_of_one, tmp_path, config, exports_head,
+                                                                        head):
     """The metric-learning methods' backbone.pth holds their projector as embedding_head, which rebuilds to the same
-    function; `state_dict` is still the backbone alone, so every reader of the backbone (load_backbone_export: k-NN,
-    linear, fine-tuning, detection; the Detectron2 converter reads state_dict) gets it unchanged."""
+    function (SupContrast's Linear-ReLU-Linear head too: the export records hidden_bn); `state_dict` is still the
+    backbone alone, so every reader of the backbone (load_backbone_export: k-NN, linear, fine-tuning, detection; the
+    Detectron2 converter reads state_dict) gets it unchanged."""
     from eval.features import load_backbone_export
     from pretrain.checkpoint import export_backbone
     from pretrain.config import load_config
     from pretrain.methods import build_method
 
     cfg = load_config(f"configs/pretrain/{config}", ["model.proj_hidden_dim=32", "model.proj_out_dim=16",
-                                                     "model.proj_layers=2", f"run_dir={tmp_path}"])
+                                                     "model.proj_layers=2", f"run_dir={tmp_path}", *head])
     torch.manual_seed(0)
     method = build_method(cfg)
     for module in method.modules():                       # BatchNorm statistics that eval mode must use
@@ -231,6 +235,7 @@ def test_export_carries_the_embedding_head_beside_an_unchanged_backbone(group_of
         return
     assert {k: raw["embedding_head"][k] for k in ("in_dim", "hidden_dim", "out_dim", "num_layers")} == {
         "in_dim": 512, "hidden_dim": 32, "out_dim": 16, "num_layers": 2}
+    assert raw["embedding_head"]["hidden_bn"] is ("model.proj_hidden_bn=false" not in head)
     with torch.no_grad():
         torch.testing.assert_close(export.embedding_head(features), method.projector(features))
 

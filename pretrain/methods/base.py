@@ -10,6 +10,10 @@ A method is one file in this package, `pretrain/methods/NAME.py`, that defines
     class NAME(Method)              the model: backbone, heads, loss
     METHOD = NAME                   what `build_method` instantiates when `method.name=NAME`
 
+and, on the class, `reference_model`: the `model.*` values of the method's reference code (its file:line in a
+comment beside them) that a config leaving those keys out (None) gets: `zero_init_residual`, and `proj_hidden_bn`
+where the method builds its projector with `projector_from_config`. `load_config` fills them in.
+
 Views arrive as the loader's view groups, a list of (B, n_g, C, H_g, W_g) tensors (SimCLR: one group of 2;
 DINO: two 1-view global groups and one group of L locals). Inside a method every view has a *flat index*:
 group 0's views first, then group 1's, and so on. A *combination* is a tuple of flat indices that takes
@@ -64,6 +68,8 @@ class Method(TrainingTask):
     # Hard view selection logs the IoU of a combination as the mean IoU over pairs of its first
     # `iou_views` views (None: all of them). DINO sets 2: the IoU of its two global crops.
     iou_views: int | None = None
+    # Every method states its own (module docstring): no default here, so that none inherits another's reference.
+    reference_model: dict[str, object]
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__()

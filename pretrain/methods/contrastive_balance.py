@@ -54,6 +54,10 @@ class Options:
 
 
 class ContrastiveBalance(TCL):
+    # Paper 000 publishes no code and names no projection head (module docstring): the backbone at torchvision's
+    # init (no zero-init) and the project's MLP with BatchNorm hidden layers, as before these became per-method values.
+    reference_model = {"zero_init_residual": False, "proj_hidden_bn": True}
+
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
         from pretrain.config_error import ConfigError

@@ -6,7 +6,8 @@ and the student over every (teacher view, other student view) pair (`pretrain/lo
 
 Views: `data.views` group 0 and group 1 are the two global crop types (count 1 each; DINO's first global
 crop is always blurred, the second blurred with p 0.1 and solarised with p 0.2), every further group holds
-local crops. With hard view selection (HVS sec. 3.3) the groups hold pools, e.g. hvs.num_views=[2, 2, 16],
+local crops; the DINO configs resize them bicubically (`interpolation: bicubic`), as DataAugmentationDINO.
+With hard view selection (HVS sec. 3.3) the groups hold pools, e.g. hvs.num_views=[2, 2, 16],
 and a candidate is one global of each type plus the locals; at most `hvs.max_candidates` (128) are scored,
 all from one cross-entropy table (`candidate_losses`).
 
@@ -14,20 +15,23 @@ The teacher and the centre live outside the nn.Module registry (`self.__dict__`)
 wraps, shards, casts or checkpoints them. They travel in the checkpoint's client state
 (`state_outside_engine`) and are updated once per optimizer step (`after_step`).
 
+Stochastic depth: the ViT student drops residual blocks at rates rising linearly to `method.drop_path_rate` (0.1,
+main_dino.py:105 and :164; HVS Table 7), the teacher drops none (main_dino.py:166 builds it without the rate; here
+it is the student's copy with every DropPath made an identity, `without_stochastic_depth`), so that its target is
+deterministic. ResNets get none (main_dino.py:176: torchvision's ResNets take no rate).
+
 Differences from facebookresearch/dino, main_dino.py, worth knowing:
 - none in gradient clipping: the DINO configs clip every parameter tensor's gradient to norm 3.0 on its own
-  (`optim.grad_clip_per_parameter: 3.0`, DINO's `utils.clip_gradients`, `pretrain/gradient_edits.py`). The HVS
-  paper's Table 7 lists `clip_grad 3.0`, the name of that DINO option; the review behind this project's
-  fidelity issue read the HVS authors' DINO branch as clipping the global norm instead (that branch is on
-  anonymous.4open.science, which this project could not open to check). Their variant is
+  (`optim.grad_clip_per_parameter: 3.0`, DINO's `utils.clip_gradients`, main_dino.py:332). The HVS paper's
+  Table 7 lists `clip_grad 3.0`, the name of that DINO option, but the HVS authors' DINO branch (automl/hvp@dino,
+  pretrain.py:437) clips the global norm with `clip_grad_norm_`: their variant is
   `optim.grad_clip=3.0 optim.grad_clip_per_parameter=0` (DeepSpeed's global-norm clipping);
 - none in the frozen last layer either: for its first `freeze_last_layer_epochs` it gets no gradient (DINO's
   `cancel_gradients_last_layer`), so the optimizer neither moves it nor builds moments or a step count for it
   (`frozen_steps`, `pretrain/gradient_edits.py`, which says how under ZeRO 1-3);
 - under `engine.precision=bf16` the student's backbone and head MLP run under bf16 autocast, the teacher and the
   heads' last layers in fp32 (DINO's fp16 AMP runs everything in fp16, with 8x finer rounding than bf16);
-- schedules are per optimizer step (DINO's teacher temperature is per epoch);
-- the ViT student has no stochastic depth (Table 7's drop_path_rate 0.1): `create_backbone` takes no rate.
+- schedules are per optimizer step (DINO's teacher temperature is per epoch).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from torch import nn
 from pretrain.distributed import with_sync_batchnorm
 from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample, dino_teacher_entropy
 from pretrain.methods.base import Method, encode_view_groups, split_decay_groups
-from pretrain.models import backbone_from_config
+from pretrain.models import backbone_from_config, is_vision_transformer, without_stochastic_depth
 from pretrain.optim import cosine_schedule
 
 NUM_GLOBAL_GROUPS = 2   # data.views groups 0 and 1: the teacher's views
@@ -65,6 +69,7 @@ class Options:
     center_momentum: float = 0.9
     freeze_last_layer_epochs: float = 1.0    # the last layer gets no gradient during these first epochs
     export: str = "teacher"                  # backbone written to backbone.pth: teacher | student
+    drop_path_rate: float = 0.1              # the ViT student's stochastic depth (last block's rate); teacher: none
     # Hard view selection's score of a candidate: cross_entropy (the HVS paper's and its authors' code: the
     # training loss) | kl (the cross-entropy minus the teacher's entropy, which does not favour flat teachers)
     hvs_score: str = "cross_entropy"
@@ -142,11 +147,14 @@ def world_size() -> int:
 
 class DINO(Method):
     iou_views = 2   # HVS logs the IoU of the two chosen global crops
+    # main_dino.py:176 builds a ResNet as torchvision_models.__dict__[args.arch](): torchvision's default,
+    # zero_init_residual=False (automl/hvp@dino the same, pretrain.py:213). The DINO head is not model.proj_*'s MLP.
+    reference_model = {"zero_init_residual": False}
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         m, o = cfg.model, cfg.method
-        self.backbone = backbone_from_config(cfg)
+        self.backbone = backbone_from_config(cfg, o.drop_path_rate if is_vision_transformer(m.arch) else 0.0)
         self.head = DINOHead(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, o.out_dim,
                              m.proj_layers, o.use_bn_in_head, o.norm_last_layer)
         self.student_temp = o.student_temp
@@ -155,8 +163,9 @@ class DINO(Method):
         self.hvs_score = o.hvs_score
         self.sync_batchnorm = cfg.engine.sync_batchnorm
 
-        # Outside the module registry (see the module docstring): fp32, no gradients.
+        # Outside the module registry (see the module docstring): fp32, no gradients, no stochastic depth.
         teacher = copy.deepcopy(nn.ModuleDict({"backbone": self.backbone, "head": self.head})).float()
+        without_stochastic_depth(teacher)
         self.__dict__["teacher"] = teacher.requires_grad_(False)
         self.__dict__["center"] = torch.zeros(o.out_dim)
         self.__dict__["teacher_entropy"] = torch.tensor(float("nan"))
@@ -203,6 +212,9 @@ class DINO(Method):
                               "must be at least 1 (DINO: 65536 and 3)")
         if min(o.warmup_teacher_temp_epochs, o.freeze_last_layer_epochs) < 0:
             raise ConfigError("method.warmup_teacher_temp_epochs and method.freeze_last_layer_epochs must be >= 0")
+        if not 0 <= o.drop_path_rate < 1:
+            raise ConfigError(f"method.drop_path_rate={o.drop_path_rate} must lie in [0, 1): the largest share of "
+                              "samples for which a ViT block is skipped (DINO: 0.1)")
 
     # ==== teacher ====
     def teacher_on(self, device: torch.device) -> nn.ModuleDict:

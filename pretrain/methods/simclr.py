@@ -32,6 +32,10 @@ class Options:
 
 
 class SimCLR(Method):
+    # google-research/simclr: each residual block's last BatchNorm starts at zero (resnet.py:395 and :480,
+    # init_zero=True); the head's hidden layers are linear + BatchNorm + ReLU (model_util.py:162-165, use_bn=True).
+    reference_model = {"zero_init_residual": True, "proj_hidden_bn": True}
+
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         self.backbone = backbone_from_config(cfg)

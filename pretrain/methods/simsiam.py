@@ -36,6 +36,11 @@ class Options:
 
 
 class SimSiam(Method):
+    # facebookresearch/simsiam builds the encoder with zero_init_residual=True (simsiam/builder.py:24; automl/hvp@main
+    # passes it too, pretrain.py:60 and :67); the projector's hidden layers are Linear(no bias)-BN-ReLU
+    # (builder.py:28-33).
+    reference_model = {"zero_init_residual": True, "proj_hidden_bn": True}
+
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         m = cfg.model

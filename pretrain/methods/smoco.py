@@ -89,6 +89,11 @@ def pair_weighting_of(options) -> PairWeighting:
 
 
 class SMoCo(Method):
+    # Paper 002 initialises its backbone from ImageNet-pretrained parameters (section 4), whose init no zero-init
+    # touches: from scratch, torchvision's default (false). Its embedding is one fully-connected layer
+    # (model.proj_layers 1: no hidden layer); model.proj_layers 2 is the project's MLP with BatchNorm hidden layers.
+    reference_model = {"zero_init_residual": False, "proj_hidden_bn": True}
+
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         o = cfg.method

@@ -4,6 +4,11 @@ k >= 2 views per image, supervised by default or self-supervised (method.supervi
 Everything but the loss is TCL's (pretrain/methods/tcl.py): backbone + projector, hard view selection over
 k-subsets, and the Figure-3 scalars, here the Lemma 1 values (eqs. 4-7) under the same names tcl/grad_pos
 (mean |X_ip - P^s_ip|) and tcl/grad_neg (mean P^s_in), so that SupCon and TCL runs compare on one plot.
+
+The network is HobbitLong/SupContrast's SupConResNet (networks/resnet_big.py): a ResNet without zero-initialised
+residual branches and the head Linear-ReLU-Linear with biases, no BatchNorm (`reference_model` below;
+`model.proj_hidden_bn=true` is the BatchNorm head this project used before). Differences from SupContrast: weight
+decay skips biases and BatchNorm parameters, as TCL's (pretrain/methods/tcl.py says more).
 """
 from __future__ import annotations
 
@@ -25,6 +30,10 @@ class Options:
 
 
 class SupCon(TCL):
+    # HobbitLong/SupContrast: SupConResNet builds its ResNet with zero_init_residual=False (networks/resnet_big.py:76,
+    # `model_fun()` at :170) and the head Linear-ReLU-Linear with biases and no BatchNorm (:174-178).
+    reference_model = {"zero_init_residual": False, "proj_hidden_bn": False}
+
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
         check_views_and_temperature(cfg)

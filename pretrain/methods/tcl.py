@@ -9,6 +9,15 @@ its per-sample loss against the other images' views at the same positions, and t
 positive gradient coefficient |X_ip - P_ip + Y_ip| (eq. 17), and tcl/grad_neg, the mean P_in (eq. 16).
 SupCon (pretrain/methods/supcon.py) is this method with the SupCon loss and logs its own (Lemma 1) values
 under the same names, so the runs' curves overlay as in Figure 3.
+
+The network is the TCL authors' (chaitanyaanimesh/Tuned-Contrastive-Learning, built on HobbitLong/SupContrast): a
+ResNet without zero-initialised residual branches and the head Linear-ReLU-Linear with biases and no BatchNorm
+(`reference_model` below); `model.proj_hidden_bn=true` gives the Linear(no bias)-BN-ReLU-Linear head this project
+used before.
+
+Differences from the reference code, worth knowing: weight decay skips biases and BatchNorm parameters (this
+project's `split_decay_groups`, as SimCLR's LARS); the TCL code and SupContrast pass every parameter to SGD with
+weight decay 1e-4 (train.py:657-662; SupContrast util.py:79-82), and no key gives that here yet.
 """
 from __future__ import annotations
 
@@ -44,6 +53,11 @@ def check_views_and_temperature(cfg: DictConfig) -> None:
 
 
 class TCL(Method):
+    # The TCL authors' code (chaitanyaanimesh/Tuned-Contrastive-Learning, built on HobbitLong/SupContrast): a ResNet
+    # with zero_init_residual=False (models/resnet_big_pretrained_cifar.py:77) and the head Linear-ReLU-Linear with
+    # biases and no BatchNorm (:113), SupContrast's SupConResNet head.
+    reference_model = {"zero_init_residual": False, "proj_hidden_bn": False}
+
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         self.backbone = backbone_from_config(cfg)

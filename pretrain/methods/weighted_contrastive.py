@@ -70,6 +70,11 @@ def check_group_design_sees_its_pairs(design_name: str, gather_negatives: bool, 
 
 
 class WeightedContrastive(TCL):
+    # Paper 001 fine-tunes an ImageNet-pretrained ResNet-50 (section 6), whose init no zero-init touches: from
+    # scratch, torchvision's default (false). Its embedding is one linear layer (model.proj_layers 1: no hidden layer);
+    # model.proj_layers 2 is the project's MLP with BatchNorm hidden layers.
+    reference_model = {"zero_init_residual": False, "proj_hidden_bn": True}
+
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
         self.design = BatchDesign(**OmegaConf.to_container(cfg.data.batch_design))
