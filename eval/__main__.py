@@ -4,7 +4,8 @@ Each command reads only the backbone export (RUN_DIR/backbone.pth or --checkpoin
 config saved inside it, encodes the train and val .beton files with the frozen backbone (features are
 cached in RUN_DIR/eval/features_step{step}.pt), runs its protocol and writes
 RUN_DIR/eval/{protocol}_step{step}.json plus TensorBoard scalars `eval/...` on RUN_DIR/tb at the export's
-step. User errors (missing or mismatched checkpoint, missing .beton) print one message and exit with 2.
+step. User errors (missing or mismatched checkpoint, missing .beton, an option out of range, a results folder that
+cannot be written or a full disk) print one message and exit with 2.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from eval.knn import weighted_knn
 from eval.linear import train_linear_probe, train_linear_probe_on_views
 from eval.results import RESULTS_DIR, check_writable, feature_cache_path, write_results
 from eval.retrieval import clustering_nmi, retrieval_metrics
-from pretrain.argument_types import positive_float, positive_int
+from pretrain.argument_types import CommandLineParser, non_negative_int, number, positive_float, positive_int
 from pretrain.atomic_write import write_atomically
 
 # ============ inputs: checkpoint, data, features ============
@@ -294,12 +295,8 @@ def build_augmented_views(inputs: EvaluationInputs, args: argparse.Namespace):
 # ============ argument parsing ============
 
 
-def crop_fraction(text: str) -> float:
-    """argparse type: a number in (0, 1]."""
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
-    return value
+# A seed of the probe's shuffling (torch) and of k-means (scikit-learn, which takes 0 to 2**32 - 1).
+random_seed = number(int, at_least=0, at_most=2**32 - 1)
 
 
 def add_common_options(parser: argparse.ArgumentParser) -> None:
@@ -323,13 +320,13 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
                         help="validation .beton (default: data.val of the export's config)")
     parser.add_argument("--image-size", type=positive_int, metavar="PIXELS",
                         help="evaluation image side (default: data.views[0].size of the export's config)")
-    parser.add_argument("--crop-fraction", type=crop_fraction, metavar="F",
+    parser.add_argument("--crop-fraction", type=number(float, above=0, at_most=1), metavar="F",
                         help="centre crop side over the resized shorter side, in (0, 1]: 0.875 resizes to 256 and "
                              "crops 224; 1.0 keeps the whole of a square image (default: data.eval_crop_fraction of "
                              "the export's config)")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available), cpu, cuda or cuda:N (default: %(default)s)")
-    parser.add_argument("--num-workers", type=int, metavar="N",
+    parser.add_argument("--num-workers", type=non_negative_int, metavar="N",
                         help="data loading workers (default: data.num_workers of the export's config)")
     parser.add_argument("--feature-batch-size", type=positive_int, default=256, metavar="N",
                         help="images per forward pass when extracting features (default: %(default)s)")
@@ -337,7 +334,7 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """`python -m eval {knn,linear,retrieval,watch,baselines,plot} [options]`."""
-    parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
+    parser = CommandLineParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,retrieval,watch,baselines,plot}")
 
     knn = commands.add_parser("knn", help="weighted k-NN top-1 on frozen features (DINO protocol)",
@@ -365,13 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "backbone instead of cached features (slower); validation stays un-augmented")
     linear.add_argument("--epochs", type=positive_int, default=100,
                         help="training epochs of the linear classifier (default: %(default)s)")
-    linear.add_argument("--lr", type=positive_float, default=0.1,
-                        help="peak learning rate of the cosine schedule (default: %(default)s)")
-    linear.add_argument("--batch-size", type=positive_int, default=256, metavar="N",
-                        help="linear-probe batch size (default: %(default)s)")
-    linear.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
-    linear.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay (default: %(default)s)")
-    linear.add_argument("--seed", type=int, default=0,
+    # The probe standardises its features (BatchNorm), so one lr range fits every backbone: MAE's probe peaks at 6.4
+    # (0.1 x 16384 / 256); beyond 10 the weights blow up (1e300 is not even a float32).
+    linear.add_argument("--lr", type=number(float, above=0, at_most=10), default=0.1,
+                        help="peak learning rate of the cosine schedule, in (0, 10] (default: %(default)s)")
+    linear.add_argument("--batch-size", type=number(int, at_least=2), default=256, metavar="N",
+                        help="linear-probe batch size, at least 2: the probe's BatchNorm standardises each batch "
+                             "(default: %(default)s)")
+    linear.add_argument("--momentum", type=number(float, at_least=0, below=1), default=0.9,
+                        help="SGD momentum, in [0, 1) (default: %(default)s)")
+    linear.add_argument("--weight-decay", type=number(float, at_least=0, at_most=1), default=0.0,
+                        help="SGD weight decay, in [0, 1] (default: %(default)s)")
+    linear.add_argument("--seed", type=random_seed, default=0,
                         help="seed of the classifier init, shuffling and augmentation (default: %(default)s)")
     linear.set_defaults(handler=run_linear)
 
@@ -393,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "features: the metric-learning methods) or by the backbone's features (default: the "
                                 "embedding when the export has a head, else the backbone; a backbone result of an "
                                 "export with a head is written as retrieval_backbone)")
-    retrieval.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
+    retrieval.add_argument("--seed", type=random_seed, default=0, help="k-means seed (default: %(default)s)")
     retrieval.set_defaults(handler=run_retrieval)
 
     from eval import watch

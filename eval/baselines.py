@@ -17,10 +17,11 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
-from eval.features import extract_features, resolve_device
+from eval.features import extract_features, resolve_beton_path, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
 from eval.results import RESULTS_DIR, check_writable, write_result
+from pretrain.argument_types import positive_int
 
 KNN_K, KNN_TEMPERATURE = 20, 0.07
 
@@ -57,7 +58,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config", required=True, help="a pretraining config: its data, preprocessing and backbone")
     parser.add_argument("--out-dir", type=Path,
                         help="where the result goes (default: runs/baselines_NAME, NAME the config's name)")
-    parser.add_argument("--image-size", type=int, metavar="PIXELS",
+    parser.add_argument("--image-size", type=positive_int, metavar="PIXELS",
                         help="evaluation image side (default: data.views[0].size of the config)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the config")
@@ -78,12 +79,14 @@ def run_baselines(args) -> int:
         return 2
     check_writable(out_dir / RESULTS_DIR)
     device = resolve_device(args.device)
+    train, val = (resolve_beton_path(None, {"data": {split: cfg.data[split]}}, split, f"data.{split}={{}}")
+                  for split in ("train", "val"))         # before any work: a config's paths are relative to here
     started = time.time()
     encoders = {"raw_pixels": lambda x: x.flatten(1), "random_init": random_init_backbone(cfg).to(device)}
-    table = {name: evaluate_encoder(encode, cfg, device, cfg.data.train, cfg.data.val, args.image_size)
+    table = {name: evaluate_encoder(encode, cfg, device, train, val, args.image_size)
              for name, encode in encoders.items()}
     result = {**table, "image_size": args.image_size or cfg.data.views[0].size, "arch": cfg.model.arch,
-              "seed": cfg.seed, "train": str(cfg.data.train), "val": str(cfg.data.val),
+              "seed": cfg.seed, "train": str(train), "val": str(val),
               "knn": {"k": KNN_K, "temperature": KNN_TEMPERATURE}, "seconds": round(time.time() - started, 1)}
     path = write_result(out_dir, "baselines", 0, result,
                         {f"baseline/{name}_{protocol}": value for name, row in table.items()

@@ -222,20 +222,25 @@ def evaluation_image_size(config: dict[str, Any]) -> int | None:
     return None
 
 
-def resolve_beton_path(override: str | Path | None, config: dict[str, Any], split: str) -> Path:
+def resolve_beton_path(override: str | Path | None, config: dict[str, Any], split: str,
+                       option: str | None = None) -> Path:
     """The data of `split` ("train" or "val"): the override when given, else config["data"][split]. An image
-    folder, or a complete pretrain .beton (anything else is refused with the reason)."""
-    option = f"--{split}"
+    folder, or a complete pretrain .beton (anything else is refused with the reason). `option`: how the user passes
+    another path, with {} for it (default "--train {}"; `eval baselines` takes "data.train={}")."""
+    option = option or f"--{split} {{}}"
     if override is not None:
         path = Path(override)
     else:
         configured = config.get("data", {}).get(split)
         if not configured:
-            raise EvaluationInputError(f"the export's config has no data.{split} path: pass {option} FILE.beton")
+            raise EvaluationInputError(f"the export's config has no data.{split} path: pass "
+                                       f"{option.format('FILE.beton')}")
         path = Path(configured)
     if not path.exists():   # a .beton, or an image folder (read without FFCV)
-        raise EvaluationInputError(f"no .beton file or image folder at {path} (data.{split}): write it with "
-                                   f"`python -m pretrain.data ...` or pass {option} FILE.beton (or an image folder)")
+        where = "" if path.is_absolute() else f", relative to {Path.cwd()}"
+        raise EvaluationInputError(f"no .beton file or image folder at {path} (data.{split}{where}): write it with "
+                                   f"`python -m pretrain.data ...` or pass {option.format('FILE.beton')} (or an image "
+                                   "folder)")
     if path.is_file():
         from pretrain.data import DatasetError
         from pretrain.data.ffcv_loader import check_beton_fields
@@ -243,12 +248,13 @@ def resolve_beton_path(override: str | Path | None, config: dict[str, Any], spli
         try:
             check_beton_fields(path)
         except DatasetError as error:
-            raise EvaluationInputError(f"{option} {path}: {error}") from None
+            raise EvaluationInputError(f"{option.format(path)}: {error}") from None
         from pretrain.data.writer import is_unlabeled
 
         if is_unlabeled(path):
             raise EvaluationInputError(f"{path} (data.{split}) has no labels (written with --unlabeled), which "
-                                       f"evaluation scores against: pass a labelled .beton with {option}")
+                                       f"evaluation scores against: pass a labelled .beton with "
+                                       f"{option.format('FILE.beton')}")
     return path
 
 

@@ -15,8 +15,25 @@ from pathlib import Path
 
 from eval.features import EvaluationInputError
 from eval.results import RESULTS_DIR, check_writable
+from pretrain.argument_types import positive_int
 
 KNN_RESULT = re.compile(r"knn_step(\d{7})\.json")
+
+
+def read_result(path: Path, fields: tuple[str, ...], what: str, remedy: str) -> dict:
+    """The JSON object of a result file holding `fields`; EvaluationInputError naming the file when it is empty or
+    damaged (results are written atomically, so something else touched it)."""
+    text = path.read_text(errors="replace")
+    try:
+        result = json.loads(text)
+    except json.JSONDecodeError as error:
+        reason = "it is empty" if not text.strip() else f"it is not JSON: {error}"
+    else:
+        missing = [field for field in fields if not isinstance(result, dict) or field not in result]
+        if not missing:
+            return result
+        reason = f"it has no {', '.join(missing)}"
+    raise EvaluationInputError(f"{path} is not {what} ({reason}): {remedy}")
 
 
 def knn_curve(run_dir: Path, k: int) -> list[tuple[int, float]]:
@@ -25,7 +42,8 @@ def knn_curve(run_dir: Path, k: int) -> list[tuple[int, float]]:
     for path in sorted((run_dir / RESULTS_DIR).glob("knn_step*.json")):
         if not KNN_RESULT.fullmatch(path.name):
             continue
-        result = json.loads(path.read_text())
+        result = read_result(path, ("step", "top1"), "a k-NN result", "delete it; `python -m eval watch --run "
+                             f"{run_dir}` then evaluates its export again")
         top1 = result["top1"].get(str(k))
         if top1 is None:
             raise EvaluationInputError(f"{path} has no k-NN result at k={k} (it has k = {', '.join(result['top1'])}): "
@@ -64,7 +82,8 @@ def baseline_knn(baselines_dir: Path, k: int) -> dict[str, float]:
                                    f"--config CONFIG --out-dir {baselines_dir}`")
     if k != KNN_K:
         raise EvaluationInputError(f"--baselines holds k-NN at k = {KNN_K}, and --k is {k}: plot --k {KNN_K}")
-    result = json.loads(path.read_text())
+    result = read_result(path, ("raw_pixels", "random_init"), "a baselines result",
+                         f"write it again with `python -m eval baselines --config CONFIG --out-dir {baselines_dir}`")
     return {"raw pixels": result["raw_pixels"]["knn"], "random init": result["random_init"]["knn"]}
 
 
@@ -116,10 +135,10 @@ def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False
 def add_arguments(parser) -> None:
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="pretraining run directories")
     parser.add_argument("--out", type=Path, required=True, help="the PNG to write (e.g. docs/knn_curves.png)")
-    parser.add_argument("--k", type=int, default=20, help="the k-NN result's k to plot (default: %(default)s)")
+    parser.add_argument("--k", type=positive_int, default=20, help="the k-NN result's k to plot (default: %(default)s)")
     parser.add_argument("--online", action="store_true",
                         help="also draw the online linear probe's running top-1 (monitor/online_linear_top1)")
-    parser.add_argument("--smooth", type=int, default=50,
+    parser.add_argument("--smooth", type=positive_int, default=50,
                         help="steps the online probe's top-1 is averaged over (default: %(default)s)")
     parser.add_argument("--title", help="the figure's title (default: k-NN accuracy during pretraining)")
     parser.add_argument("--baselines", type=Path, metavar="DIR",

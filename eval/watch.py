@@ -39,6 +39,7 @@ from pathlib import Path
 
 from eval.results import feature_cache_path, result_path
 from pretrain.graceful_stop import PENDING_STOP_SIGNAL
+from pretrain.argument_types import number
 from pretrain.checkpoint import EXPORTS, export_path, published_export_steps
 
 PROTOCOLS = ("knn", "linear", "retrieval")   # the sub-commands of `python -m eval` the watcher can run
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--follow", action="store_true",
                         help="keep waiting for new checkpoints after the run has finished")
-    parser.add_argument("--poll-seconds", type=float, default=30.0,
+    parser.add_argument("--poll-seconds", type=number(float, above=0), default=30.0,
                         help="how often to look for new exports (default: %(default)s)")
     parser.add_argument("--until-job", metavar="JOBID",
                         help="the pretraining's Slurm job: stop (exit status 1) once it has ended without "

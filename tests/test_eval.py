@@ -546,3 +546,71 @@ def test_results_and_plots_on_a_read_only_filesystem_are_one_line_before_any_wor
         assert f"cannot write {read_only}: Read-only file system" in one_line_error(capsys)
         assert main(["watch", "--run", str(read_only)]) == 2
         assert f"cannot write {read_only}/eval: Read-only file system" in one_line_error(capsys)
+
+
+# ============ bad arguments: refused before any work ============
+
+
+@pytest.mark.parametrize("argv, refusal", [
+    (["linear", "--batch-size", "1"], "argument --batch-size: 1 is not an integer >= 2"),
+    (["linear", "--momentum", "-5"], "argument --momentum: -5 is not a number >= 0 and < 1"),
+    (["linear", "--weight-decay", "-1"], "argument --weight-decay: -1 is not a number >= 0"),
+    (["linear", "--lr", "1e300"], "argument --lr: 1e300 is not a number > 0 and <= 10"),
+    (["linear", "--seed", "-1"], "argument --seed: -1 is not an integer >= 0"),
+    (["knn", "--num-workers", "-1"], "argument --num-workers: -1 is not an integer >= 0"),
+    (["knn", "--crop-fraction", "nan"], "argument --crop-fraction: 'nan' is not finite"),
+])
+def test_bad_options_of_a_protocol_are_refused_before_the_features_are_extracted(digits_export, tmp_path, capsys,
+                                                                                  argv, refusal):
+    """`eval linear --momentum -5` used to extract every feature (16 s on the digits) and then end in SGD's
+    traceback; `--batch-size 1` in the probe's, `--lr 1e300` in torch's float overflow."""
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--checkpoint", str(digits_export), "--run", str(tmp_path / "run")])
+    assert refused.value.code == 2 and refusal in one_line_error(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, refusal", [
+    (["baselines", "--config", "CONFIG", "--image-size", "-5"], "argument --image-size: -5 is not a positive integer"),
+    (["baselines", "--config", "CONFIG", "--image-size", "0"], "argument --image-size: 0 is not a positive integer"),
+    (["plot", "RUN", "--out", "curves.png", "--online", "--smooth", "0"], "argument --smooth: 0 is not a positive"),
+    (["plot", "RUN", "--out", "curves.png", "--online", "--smooth", "-5"], "argument --smooth: -5 is not a positive"),
+    (["watch", "--run", "RUN", "--poll-seconds", "-1"], "argument --poll-seconds: -1 is not a positive number"),
+    (["watch", "--run", "RUN", "--poll-seconds", "nan"], "argument --poll-seconds: 'nan' is not finite"),
+])
+def test_bad_options_of_baselines_plot_and_watch_are_refused_in_one_line(tmp_path, capsys, argv, refusal):
+    """--image-size 0 was taken as "the config's size", -5 and --smooth 0 ended in tracebacks, --poll-seconds -1 or
+    nan in time.sleep's."""
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "knn_step0000003.json").write_text(json.dumps({"step": 3, "top1": {"20": 0.5}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 3, "monitor/online_linear_top1": 0.5}) + "\n")
+    config = str(REPO_ROOT / "configs/pretrain/simclr_digits.yaml")
+    argv = [{"CONFIG": config, "RUN": str(run), "curves.png": str(tmp_path / "curves.png")}.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2 and refusal in one_line_error(capsys)
+    assert not (tmp_path / "curves.png").exists() and not (run / "eval" / "watch.lock").exists()
+
+
+def test_baselines_from_a_folder_without_the_configs_data_name_the_path_before_any_work(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """The config's data paths are relative (data/digits/train.beton): run from elsewhere, `eval baselines` used to
+    end in FFCV's FileNotFoundError traceback."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["baselines", "--config", str(REPO_ROOT / "configs/pretrain/simclr_digits.yaml")]) == 2
+    error = one_line_error(capsys)
+    assert f"no .beton file or image folder at data/digits/train.beton (data.train, relative to {tmp_path})" in error
+    assert "data.train=FILE.beton" in error
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_empty_or_damaged_knn_result_is_named_by_plot(tmp_path, capsys):
+    """An empty knn_step*.json ended `eval plot` in json's traceback, without the file's name."""
+    result = tmp_path / "run" / "eval" / "knn_step0000003.json"
+    result.parent.mkdir(parents=True)
+    for text, reason in [("", "it is empty"), ('{"step": 3}', "it has no top1"), ("[1, 2", "it is not JSON")]:
+        result.write_text(text)
+        assert main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "curves.png")]) == 2
+        assert f"{result} is not a k-NN result ({reason}" in one_line_error(capsys)
+    assert not (tmp_path / "curves.png").exists()
