@@ -109,6 +109,7 @@ class EngineConfig:
     print_every_steps: int = 10              # progress line on the console
     image_grid_every_steps: int = 500        # 0 disables the grid of selected views
     max_steps: int = 0                       # stop after this many optimizer steps (0: the whole schedule)
+    threads: int = 0                         # CPU threads per process; 0: its share of the cores (pretrain/cpu_threads.py)
 
 
 @dataclass
@@ -168,6 +169,7 @@ NUMBER_RANGES = (
     ("engine.print_every_steps", ">=", 1, "steps"),
     ("engine.image_grid_every_steps", ">=", 0, "0 disables the grid"),
     ("engine.max_steps", ">=", 0, "0: the whole schedule"),
+    ("engine.threads", ">=", 0, "CPU threads per process, 0: the process's share of the cores"),
     ("hvs.selection_size", ">=", 1, "pixels"),
     ("monitor.online_probe_lr", ">", 0, "the online probe's Adam lr"),
     ("seed", ">=", 0, "the random seed"),
