@@ -3,13 +3,14 @@
 # make test   installs everything it needs, then runs the test suite
 # make test-fast  the unit tier only: the tests not marked slow or slurm (about a minute)
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
+# make bench-peers  installs lightly (the peer library, not a dependency of the package), then this project against it on Fashion-MNIST
 # make gpu-check  on a machine with a CUDA GPU: the GPU-only tests (tests/gpu), then the GPU throughput table
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev dataset-fashion-mnist
 
-.PHONY: install demo demo-detection test test-fast bench gpu-check clean-runs
+.PHONY: install demo demo-detection test test-fast bench bench-peers gpu-check clean-runs
 
 install: $(VENV)/.installed
 
@@ -41,6 +42,12 @@ test-fast: install
 bench: install
 	$(PY) -m pretrain.bench loader
 	$(PY) -m pretrain.bench hvs
+
+# lightly 1.6 over this project's torch / torchvision: --no-deps keeps pip from replacing them (its transforms import
+# lightning_utilities, nothing else of its requirements is needed for what the benchmark uses).
+bench-peers: install
+	$(PY) -m pip --isolated install -q --no-deps lightly==1.6.0 lightning-utilities==0.15.3
+	$(PY) -m pretrain.bench peers --seeds 0 1 2
 
 gpu-check: install
 	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on a machine with one; the CPU tests are make test.')"

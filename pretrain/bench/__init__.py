@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu [options]`. Each prints a table and writes JSON.
+"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|peers|train [options]`. Each prints a table and writes JSON.
 
 `loader` measures images/s of the FFCV N-view loader against the torchvision DataLoader path on the same
 64 px JPEGs (an image folder and the .beton written from it), N = 2 and 4 views of 32 px, SimCLR recipe
@@ -10,7 +10,10 @@ own: (1) the CPU time per image of a GPU run's host side (device "meta": the dev
 cores per GPU, and (2) images per CPU second when everything runs on the CPU.
 `hvs` times the real training step (DeepSpeed engine, method, selection pass) with hard view selection
 (N=4, at full and at half resolution) over the step without (N=2), same batch, as ratios from one run.
-One module per benchmark (loader, hvs, gpu), each with its `add_<name>_command(commands)`, called in
+`peers` compares this project with lightly at equal settings on Fashion-MNIST (accuracy per epoch, images/s).
+`train` times the whole pretraining step against a plain PyTorch loop of the same model, splits it by phase, and
+runs it on 2 processes and beside busy ones.
+One module per benchmark (loader, hvs, gpu, peers, train), each with its `add_<name>_command(commands)`, called in
 `build_parser`; images.py makes the images they read.
 """
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pretrain.argument_types import CommandLineParser
 from pretrain.bench.gpu import add_gpu_command
 from pretrain.bench.hvs import add_hvs_command
 from pretrain.bench.loader import add_loader_command
+from pretrain.bench.peers import add_peers_command
+from pretrain.bench.train import add_train_command
 from pretrain.memory_reuse import reuse_freed_memory
 
 
@@ -32,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_loader_command(commands)
     add_hvs_command(commands)
     add_gpu_command(commands)
+    add_peers_command(commands)
+    add_train_command(commands)
     return parser
 
 

@@ -1,0 +1,243 @@
+"""`python -m pretrain.bench peers`: this project against a peer library at equal settings, on Fashion-MNIST.
+
+For each method (SimCLR, SimSiam) and seed, two runs of the same recipe, scored by the same evaluation:
+- this project: `python -m pretrain --config configs/pretrain/METHOD_fashion_mnist.yaml` (plus the recipe's
+  overrides), its FFCV loader, its method, its DeepSpeed loop;
+- the peer: lightly 1.6's own pieces for the method (its view transform, projection / prediction heads and loss)
+  in a plain PyTorch loop over the same Fashion-MNIST images (PIL, torchvision DataLoader), on the same backbone
+  (`pretrain.models.create_backbone`: timm ResNet-18, stride-2 stem, zero-initialised residuals), with the recipe's
+  optimizer and schedule (SGD, momentum 0.9, this project's lr arrays: the peak lr x batch / 256 after a linear
+  warm-up, then a cosine), with the weight decay on every parameter as lightly's examples have it, the recipe's
+  batch and epochs; its backbone is written as this project's export.
+Both exports are scored by `python -m eval knn` (k = 20) and `python -m eval linear` on the 10,000 test images
+after every epoch; images/s is the median of the logged windows of each run (loader included).
+
+lightly is the benchmark's optional extra, never the package's: `make bench-peers` installs it
+(`pip install --no-deps lightly==1.6.0 lightning-utilities`, over this project's torch and torchvision).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain.argument_types import non_negative_int, positive_int
+
+RECIPES = {   # the project's config and what the comparison sets on both sides
+    "simclr": ("configs/pretrain/simclr_fashion_mnist.yaml", []),
+    # lightly's SimSiamProjectionHead has 3 layers (the SimSiam paper's); the project's config, 2 for the CPU
+    "simsiam": ("configs/pretrain/simsiam_fashion_mnist.yaml", ["model.proj_layers=3"]),
+}
+LIGHTLY_INSTALL = "make bench-peers (pip install --no-deps lightly==1.6.0 lightning-utilities)"
+
+
+def lightly_version() -> str:
+    try:
+        import lightly
+    except ImportError:
+        print(f"error: the peer library lightly is not installed: {LIGHTLY_INSTALL}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return lightly.__version__
+
+
+# ============ the peer: lightly's pieces in a plain PyTorch loop ============
+
+class GrayImages(torch.utils.data.Dataset):
+    """Fashion-MNIST's training images as PIL RGB images (gray copied to R, G, B, as the .beton writer stores
+    them), each through `transform` (lightly's multi-view transform: a list of views)."""
+
+    def __init__(self, images: np.ndarray, transform):
+        self.images, self.transform = images, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[index]).convert("RGB"))
+
+
+def lightly_model(method: str, cfg, backbone: torch.nn.Module):
+    """(transform, heads, loss of (backbone features of each view) -> scalar) from lightly for `method`, with the
+    recipe's view, head and temperature settings."""
+    from lightly.loss import NegativeCosineSimilarity, NTXentLoss
+    from lightly.models.modules import (SimCLRProjectionHead, SimSiamPredictionHead, SimSiamProjectionHead)
+    from lightly.transforms import SimCLRTransform, SimSiamTransform
+
+    view = cfg.data.views[0]
+    transform_options = dict(input_size=view.size, cj_prob=view.jitter_p, cj_strength=1.0, cj_bright=view.brightness,
+                             cj_contrast=view.contrast, cj_sat=view.saturation, cj_hue=view.hue,
+                             min_scale=view.scale[0], random_gray_scale=view.grayscale_p, gaussian_blur=view.blur_p,
+                             hf_prob=view.flip_p, normalize={"mean": list(cfg.data.mean), "std": list(cfg.data.std)})
+    width, m = backbone.num_features, cfg.model
+    if method == "simclr":
+        projector = SimCLRProjectionHead(width, m.proj_hidden_dim, m.proj_out_dim, num_layers=m.proj_layers)
+        criterion = NTXentLoss(temperature=cfg.method.temperature)
+        heads = torch.nn.ModuleDict({"projector": projector})
+
+        def loss(features: list[torch.Tensor]) -> torch.Tensor:
+            return criterion(projector(features[0]), projector(features[1]))
+        return SimCLRTransform(**transform_options), heads, loss
+    projector = SimSiamProjectionHead(width, m.proj_hidden_dim, m.proj_out_dim)
+    predictor = SimSiamPredictionHead(m.proj_out_dim, m.pred_hidden_dim, m.proj_out_dim)
+    criterion = NegativeCosineSimilarity()
+    heads = torch.nn.ModuleDict({"projector": projector, "predictor": predictor})
+
+    def loss(features: list[torch.Tensor]) -> torch.Tensor:        # lightly's SimSiam example
+        z0, z1 = projector(features[0]), projector(features[1])
+        p0, p1 = predictor(z0), predictor(z1)
+        return 0.5 * (criterion(z0.detach(), p1) + criterion(z1.detach(), p0))
+    return SimSiamTransform(**transform_options), heads, loss
+
+
+def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
+    """Train `method` with lightly's pieces for cfg.optim.epochs epochs; write this project's export after each epoch
+    (RUN_DIR/exports/backbone_stepN.pth, the last also RUN_DIR/backbone.pth); return images/s of each window of
+    cfg.engine.print_every_steps steps."""
+    from omegaconf import OmegaConf
+
+    from pretrain.data.fashion_mnist import read_fashion_mnist
+    from pretrain.models import create_backbone
+    from pretrain.optim import schedules_from_config, set_schedule_values
+
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    backbone = create_backbone(cfg.model.arch, cfg.model.stem, zero_init_residual=True)
+    transform, heads, loss_of = lightly_model(method, cfg, backbone)
+    images, _ = read_fashion_mnist()["train"]
+    loader = torch.utils.data.DataLoader(GrayImages(images, transform), batch_size=cfg.data.batch_size, shuffle=True,
+                                         drop_last=True, num_workers=workers, persistent_workers=workers > 0,
+                                         generator=torch.Generator().manual_seed(cfg.seed))
+    # The recipe's optimizer and schedule (this project's arrays, so that every step's lr is the same on both sides);
+    # the weight decay on every parameter, as lightly's examples; SimSiam's predictor at the base lr (fix_pred_lr).
+    fixed = list(heads["predictor"].parameters()) if "predictor" in heads and cfg.method.get("fix_pred_lr") else []
+    rest = [p for p in [*backbone.parameters(), *heads.parameters()] if all(p is not q for q in fixed)]
+    optimizer = torch.optim.SGD([{"params": rest}, *([{"params": fixed, "fixed_lr": True}] if fixed else [])],
+                                lr=cfg.optim.lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    schedules = schedules_from_config(cfg, len(loader), cfg.data.batch_size)
+    total = len(loader) * cfg.optim.epochs
+    backbone.train(), heads.train()
+    rates, step, window, started = [], 0, cfg.engine.print_every_steps, time.perf_counter()
+    (run_dir / "exports").mkdir(parents=True, exist_ok=True)
+    for epoch in range(cfg.optim.epochs):
+        for views in loader:
+            set_schedule_values(optimizer, schedules.lr[step], schedules.weight_decay[step], schedules.peak_lr, step)
+            loss = loss_of([backbone(view) for view in views])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step % window == 0:
+                rates.append(window * cfg.data.batch_size / (time.perf_counter() - started))
+                print(f"lightly {method} epoch {epoch} step {step}/{total} loss {loss.item():.4f} "
+                      f"{rates[-1]:.0f} img/s", flush=True)
+                started = time.perf_counter()
+        export = {"arch": cfg.model.arch, "stem": cfg.model.stem, "epoch": epoch, "step": step,
+                  "state_dict": {k: v.detach().clone() for k, v in backbone.state_dict().items()},
+                  "config": OmegaConf.to_container(cfg, resolve=True)}
+        torch.save(export, run_dir / "exports" / f"backbone_step{step:08d}.pth")
+        torch.save(export, run_dir / "backbone.pth")
+    return rates
+
+
+# ============ the comparison ============
+
+def evaluate(run_dir: Path, checkpoint: Path) -> dict[str, float]:
+    """k-NN (k = 20) and linear-probe top-1 of one export, by this project's `python -m eval`."""
+    scores = {}
+    for protocol in ("knn", "linear"):
+        subprocess.run([sys.executable, "-m", "eval", protocol, "--run", str(run_dir), "--checkpoint", str(checkpoint)],
+                       check=True, stdout=subprocess.DEVNULL)
+    step = torch.load(checkpoint, weights_only=True, map_location="cpu")["step"]
+    knn = json.loads((run_dir / "eval" / f"knn_step{step:07d}.json").read_text())
+    linear = json.loads((run_dir / "eval" / f"linear_step{step:07d}.json").read_text())
+    scores["knn"] = 100 * float(knn["top1"]["20"])
+    scores["linear"] = 100 * float(linear["top1"])
+    return scores
+
+
+def epoch_exports(run_dir: Path, steps_per_epoch: int, epochs: int) -> list[Path]:
+    return [run_dir / "exports" / f"backbone_step{steps_per_epoch * (e + 1):08d}.pth" for e in range(epochs)]
+
+
+def run_peers(args: argparse.Namespace) -> dict:
+    from pretrain.config import load_config
+
+    version = lightly_version()
+    data = Path(args.data_dir)
+    if not (data / "train.beton").exists():
+        subprocess.run([sys.executable, "-m", "pretrain.data", "write-fashion-mnist", "--out-dir", str(data)],
+                       check=True)
+    rows = []
+    print(f"1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    for method in args.methods:
+        config, recipe = RECIPES[method]
+        for seed in args.seeds:
+            overrides = [*recipe, f"seed={seed}", f"optim.epochs={args.epochs}", f"data.train={data / 'train.beton'}",
+                         f"data.val={data / 'test.beton'}", f"data.num_workers={args.workers}",
+                         "engine.keep_exports=0", "engine.image_grid_every_steps=0"]
+            for library in ("hardview", f"lightly {version}"):
+                run_dir = Path(args.work_dir) / f"{method}_{library.split()[0]}_seed{seed}"
+                cfg = load_config(config, [*overrides, f"run_dir={run_dir}"])
+                started = time.perf_counter()
+                if library == "hardview":
+                    if not (run_dir / "finished.json").exists():
+                        subprocess.run([sys.executable, "-m", "pretrain", "--config", config, *overrides,
+                                        f"run_dir={run_dir}"], check=True)
+                    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                    rates = [line["perf/images_per_s"] for line in logged if "perf/images_per_s" in line]
+                else:
+                    rates = train_peer(method, cfg, run_dir, args.workers)
+                minutes = (time.perf_counter() - started) / 60
+                steps_per_epoch = 60000 // cfg.data.batch_size
+                for epoch, export in enumerate(epoch_exports(run_dir, steps_per_epoch, args.epochs), start=1):
+                    scores = evaluate(run_dir, export)
+                    rows.append({"method": method, "library": library, "seed": seed, "epoch": epoch, **scores,
+                                 "images_per_s": round(float(np.median(rates[1:] or rates)), 1),
+                                 "train_minutes": round(minutes, 2), "load_average_1min": os.getloadavg()[0]})
+                    print(f"{method:<8}{library:<14}seed {seed} epoch {epoch}: k-NN {scores['knn']:.2f}%  linear "
+                          f"{scores['linear']:.2f}%  {rows[-1]['images_per_s']:.0f} images/s", flush=True)
+    table = summary_table(rows)
+    print("\n" + table)
+    return {"command": "peers", "epochs": args.epochs, "seeds": args.seeds, "lightly": version,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "rows": rows,
+            "table": table}
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown: per method, library and epoch, the mean (and std over seeds) of k-NN and linear top-1, images/s."""
+    lines = ["| method | library | epoch | seeds | k-NN top-1 (k = 20) | linear top-1 | images/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    keys = sorted({(r["method"], r["library"], r["epoch"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
+
+    def cell(values: list[float]) -> str:
+        return f"{np.mean(values):.2f}" + (f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else "")
+    for method, library, epoch in keys:
+        group = [r for r in rows if (r["method"], r["library"], r["epoch"]) == (method, library, epoch)]
+        lines.append(f"| {method} | {library} | {epoch} | {len(group)} | {cell([r['knn'] for r in group])} | "
+                     f"{cell([r['linear'] for r in group])} | {np.median([r['images_per_s'] for r in group]):.0f} |")
+    return "\n".join(lines)
+
+
+def add_peers_command(commands) -> None:
+    parser = commands.add_parser(
+        "peers", help="this project against lightly at equal settings on Fashion-MNIST: accuracy per epoch, images/s",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", choices=tuple(RECIPES), default=list(RECIPES),
+                        help="methods to compare (default: all)")
+    parser.add_argument("--seeds", nargs="+", type=non_negative_int, default=[0], help="seeds (default: 0)")
+    parser.add_argument("--epochs", type=positive_int, default=1, help="epochs of each run (default: 1)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="loader workers of both (default: 2)")
+    parser.add_argument("--data-dir", default="data/fashion_mnist",
+                        help="the Fashion-MNIST .beton files, written when missing (default: data/fashion_mnist)")
+    parser.add_argument("--work-dir", default="bench/peers", help="the runs (default: bench/peers)")
+    parser.add_argument("--out", default="bench/peers.json", help="where the JSON result goes")
+    parser.set_defaults(run=run_peers)
