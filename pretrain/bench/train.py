@@ -1,0 +1,331 @@
+"""`python -m pretrain.bench train`: the whole pretraining step against a plain PyTorch loop of the same model.
+
+Per case (a config, with or without hard view selection), on the same fixed view tensors (the loader left out: its
+cost is `bench loader`'s and the split's "data" row):
+- this project: the real training loop (`pretrain.loop.run_training` with the real `Pretraining` stage: DeepSpeed
+  engine, the method's `batch_loss` with selection and the online monitors, the finite-loss and stop-signal
+  all-reduces, logging), timed between consecutive optimizer steps;
+- the plain loop, written here: the same method module (backbone, heads, loss; hard view selection by the same
+  `select_hard_views`) and the same torch optimizer, `loss.backward(); optimizer.step()`, nothing else.
+Images/s is the median over the timed steps after a warm-up; the ratio plain / project is the project's overhead.
+Then the project's step split by phase (torch.profiler over `record_function` ranges the loop and the methods
+mark: `hardview/...`), the step on 2 processes (gloo, the same global batch), and the step while K busy
+processes share the cores, against the fair share (idle rate / (K + 1)).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain.argument_types import positive_int
+
+FASHION_MNIST = ["configs/pretrain/simclr_fashion_mnist.yaml", "configs/pretrain/simsiam_fashion_mnist.yaml",
+                 "configs/pretrain/dino_fashion_mnist.yaml", "configs/pretrain/tcl_fashion_mnist.yaml"]
+IMAGENET_CASE = ("configs/pretrain/simclr_imagenet_folder.yaml", ["data.batch_size=8"])
+
+
+def cases(imagenet: bool) -> list[tuple[str, str, list[str]]]:
+    """(name, config, overrides): each Fashion-MNIST config without and with selection (its own hvs.num_views),
+    and, with `imagenet`, SimCLR ResNet-50 at 224 px, batch 8, without and with selection (4 views)."""
+    rows = []
+    for config in FASHION_MNIST:
+        method = Path(config).stem.replace("_fashion_mnist", "")
+        rows += [(method, config, []), (f"{method} HVS", config, ["hvs.enabled=true"])]
+    if imagenet:
+        config, overrides = IMAGENET_CASE
+        rows += [("simclr R50 224 px", config, overrides),
+                 ("simclr R50 224 px HVS", config, [*overrides, "hvs.enabled=true", "hvs.num_views=[4]"])]
+    return rows
+
+
+def fixed_batch(cfg):
+    """One ViewBatch of random views of the sizes the loader would draw (the pool under selection)."""
+    from pretrain.config import views_to_draw
+    from pretrain.data.views import ViewBatch
+
+    generator = torch.Generator().manual_seed(0)
+    batch = cfg.data.batch_size
+    groups = views_to_draw(cfg)
+    views = [torch.randn(batch, g.count, 3, g.size, g.size, generator=generator) for g in groups]
+    boxes = [torch.rand(batch, g.count, 4, generator=generator).sort(dim=-1).values[..., [0, 2, 1, 3]] for g in groups]
+    return ViewBatch(views, boxes, torch.arange(batch) % 10, torch.arange(batch))
+
+
+class FixedViews:
+    """The loop's loader (`EpochLoader`), handing over the same batch `steps` times per epoch."""
+
+    def __init__(self, batch, steps: int):
+        self.batch, self.steps, self.num_images = batch, steps, batch.batch_size * steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def epoch(self, epoch: int, start_batch: int = 0):
+        for _ in range(start_batch, self.steps):
+            yield self.batch
+
+
+def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[float], dict[str, float]]:
+    """Seconds between consecutive optimizer steps of the real loop on a fixed batch; with `profile`, the CPU
+    milliseconds per step of every `hardview/...` range the loop and the methods mark."""
+    from pretrain.engine import Pretraining
+    from pretrain.loop import run_training
+
+    stamps: list[float] = []
+
+    class Stage(Pretraining):
+        def check_inputs(self) -> None:          # no data files: the batch is made here
+            pass
+
+        def build_loader(self, rank, world_size, device):
+            return FixedViews(fixed_batch(self.cfg), steps)
+
+        def build_task(self, steps_per_epoch, device):
+            method = super().build_task(steps_per_epoch, device)
+            after_step = method.after_step
+
+            def timed_after_step(step: int) -> None:
+                after_step(step)
+                stamps.append(time.perf_counter())
+            method.after_step = timed_after_step
+            return method
+
+    phases = {}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CPU]) as prof:
+            run_training(Stage(cfg))
+        for event in prof.key_averages():
+            if event.key.startswith("hardview/"):
+                phases[event.key] = event.cpu_time_total / 1000 / steps
+    else:
+        run_training(Stage(cfg))
+    return list(np.diff(stamps)), phases
+
+
+def plain_step_seconds(cfg, steps: int) -> list[float]:
+    """Seconds per step of a plain PyTorch loop of the same method module and optimizer on the same batch."""
+    import random
+
+    from pretrain.hvs import select_hard_views
+    from pretrain.methods import build_method
+    from pretrain.optim import build_optimizer
+
+    torch.manual_seed(cfg.seed)
+    method = build_method(cfg, steps).train()
+    optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
+    batch = fixed_batch(cfg)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        views = batch.views
+        if cfg.hvs.enabled:
+            views = select_hard_views(method, method, batch.views, batch.boxes, batch.labels, method.train_counts,
+                                      cfg.hvs.mode, cfg.hvs.selection_size, cfg.hvs.max_candidates,
+                                      random.Random(step)).views
+        loss = method.loss(method(views), batch.labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        method.after_step(step + 1)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def case_config(config: str, overrides: list[str], run_dir: Path, steps: int, data: Path | None):
+    from pretrain.config import load_config
+
+    train = [f"data.train={data / 'train.beton'}"] if data is not None else []      # its classes size the probe
+    return load_config(config, [*overrides, *train, f"run_dir={run_dir}", f"engine.max_steps={steps}",
+                                "engine.checkpoint_every_steps=0", "engine.image_grid_every_steps=0",
+                                "engine.print_every_steps=1000000", "engine.keep_checkpoints=1"])
+
+
+def images_per_s(cfg, seconds: list[float], warmup: int) -> float:
+    return cfg.data.batch_size / float(np.median(seconds[warmup:]))
+
+
+def run_case(args: argparse.Namespace) -> dict:
+    """One case in this process (`train-case`): the project's step, or with --plain the plain loop's."""
+    case = json.loads(args.case)
+    with tempfile.TemporaryDirectory() as work:
+        data = Path(case["data"]) if case.get("data") else None
+        cfg = case_config(case["config"], case["overrides"], Path(work) / "run", case["steps"], data)
+        if case.get("plain"):
+            from pretrain.distributed import init_distributed, release_distributed
+
+            init_distributed("cpu")               # a group of one: DINO's centre is all-reduced
+            seconds = plain_step_seconds(cfg, case["steps"])
+            release_distributed()
+        else:
+            seconds, _ = project_step_seconds(cfg, case["steps"])
+    return {"seconds": seconds}
+
+
+def timed_in_a_process(case: dict, processes: int = 1) -> list[float]:
+    """Run one case in a process of its own (or `processes` under torchrun); the seconds of its steps (rank 0)."""
+    launcher = [sys.executable, "-m", "pretrain.bench"] if processes == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m",
+         "pretrain.bench"]
+    finished = subprocess.run([*launcher, "train-case", "--case", json.dumps(case)], capture_output=True, text=True)
+    if finished.returncode:
+        raise SystemExit(f"error: the case {json.dumps(case)} failed:\n{finished.stderr[-3000:]}")
+    return json.loads([line for line in finished.stdout.splitlines() if line.startswith("{")][-1])["seconds"]
+
+
+def busy_processes(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def run_train_benchmark(args: argparse.Namespace) -> dict:
+    from pretrain.config import load_config
+
+    data = Path(args.data_dir)
+    if not (data / "train.beton").exists():
+        subprocess.run([sys.executable, "-m", "pretrain.data", "write-fashion-mnist", "--out-dir", str(data)],
+                       check=True)
+    steps = args.warmup + args.steps
+    print(f"{os.cpu_count()} cores, 1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
+    for name, config, overrides in cases(args.imagenet):
+        if args.only and not any(word in name for word in args.only):
+            continue
+        overrides = [*overrides, *args.override]
+        cfg = load_config(config, overrides)
+        common = {"config": config, "overrides": overrides, "steps": steps, "data": str(data)}
+        project = images_per_s(cfg, timed_in_a_process(common), args.warmup)
+        plain = images_per_s(cfg, timed_in_a_process({**common, "plain": True}), args.warmup)
+        rows.append({"case": name, "batch": cfg.data.batch_size, "project_images_per_s": round(project, 1),
+                     "plain_images_per_s": round(plain, 1), "overhead": round(plain / project, 3)})
+        print(f"  {name:<24} batch {cfg.data.batch_size:>4}: project {project:8.1f} images/s, plain loop "
+              f"{plain:8.1f}, overhead {plain / project:.3f}x", flush=True)
+    result = {"command": "train", "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "rows": rows, "warmup": args.warmup, "steps": args.steps}
+    split_case = next(c for c in cases(False) if c[0] == args.split_case)
+    result["split"] = step_split(split_case, args, data)
+    result["processes"] = two_processes(split_case, args, data)
+    result["contention"] = contention(split_case, args, data)
+    result["load_average_1min"] = os.getloadavg()[0]
+    print_tables(result)
+    return result
+
+
+def step_split(case, args, data: Path) -> dict:
+    """The project's step by phase (profiled in this process), with the loader's time per batch for the same
+    recipe (the real FFCV loader on the Fashion-MNIST .beton), in milliseconds per step."""
+    from pretrain.config import load_config, views_to_draw
+    from pretrain.data.loader import build_view_loader
+
+    name, config, overrides = case
+    with tempfile.TemporaryDirectory() as work:
+        cfg = case_config(config, overrides, Path(work) / "run", args.warmup + args.steps, data)
+        seconds, phases = project_step_seconds(cfg, args.warmup + args.steps, profile=True)
+    loader_cfg = load_config(config, overrides)
+    loader = build_view_loader(data / "train.beton", views_to_draw(loader_cfg), loader_cfg.data.batch_size,
+                               canvas_size=loader_cfg.data.canvas_size, mean=tuple(loader_cfg.data.mean),
+                               std=tuple(loader_cfg.data.std), num_workers=loader_cfg.data.num_workers)
+    batches = loader.epoch(0)
+    for _ in range(3):
+        next(batches)
+    start, count = time.perf_counter(), 0
+    for batch in batches:
+        count += 1
+        if count == 30:
+            break
+    data_ms = 1000 * (time.perf_counter() - start) / count
+    step_ms = 1000 * float(np.median(seconds[args.warmup:]))
+    return {"case": name, "step_ms_profiled": step_ms, "phases_ms": phases, "loader_ms_per_batch": data_ms}
+
+
+def two_processes(case, args, data: Path) -> dict:
+    """The same global batch on 1 and on 2 processes (gloo), images/s of the global batch."""
+    from pretrain.config import load_config
+
+    name, config, overrides = case
+    batch = load_config(config, overrides).data.batch_size
+    common = {"config": config, "steps": args.warmup + args.steps, "data": str(data)}
+    one = batch / float(np.median(timed_in_a_process({**common, "overrides": overrides})[args.warmup:]))
+    halves = [*overrides, f"data.batch_size={batch // 2}"]
+    two = batch / float(np.median(timed_in_a_process({**common, "overrides": halves}, processes=2)[args.warmup:]))
+    return {"case": name, "global_batch": batch, "one_process_images_per_s": one, "two_processes_images_per_s": two}
+
+
+def contention(case, args, data: Path) -> list[dict]:
+    """The project's step alone and beside K busy processes (`while True: pass`), against the fair share."""
+    from pretrain.config import load_config
+
+    name, config, overrides = case
+    batch = load_config(config, overrides).data.batch_size
+    common = {"config": config, "overrides": overrides, "steps": args.warmup + args.steps, "data": str(data)}
+    rows = []
+    idle = None
+    for k in (0, *args.busy):
+        others = busy_processes(k)
+        try:
+            rate = batch / float(np.median(timed_in_a_process(common)[args.warmup:]))
+        finally:
+            for process in others:
+                process.kill()
+                process.wait()
+        idle = idle or rate
+        fair = idle / (k + 1)
+        rows.append({"case": name, "busy_processes": k, "images_per_s": rate, "fair_share": fair,
+                     "of_fair_share": rate / fair})
+    return rows
+
+
+def print_tables(result: dict) -> None:
+    print(f"\nthe pretraining step against a plain PyTorch loop of the same model ({result['cores']} cores, "
+          f"median of {result['steps']} steps after {result['warmup']})")
+    print(f"{'case':<24}{'batch':>6}{'project':>10}{'plain':>10}{'plain / project':>17}")
+    for row in result["rows"]:
+        print(f"{row['case']:<24}{row['batch']:>6}{row['project_images_per_s']:>10.1f}"
+              f"{row['plain_images_per_s']:>10.1f}{row['overhead']:>17.3f}")
+    split = result["split"]
+    print(f"\n{split['case']}: where a step's time goes (ms per step; the step {split['step_ms_profiled']:.1f} ms "
+          f"under the profiler), and the loader's time per batch of the same recipe: {split['loader_ms_per_batch']:.1f} "
+          "ms (the real FFCV loader, overlapping the step in training)")
+    for phase, ms in sorted(split["phases_ms"].items(), key=lambda item: -item[1]):
+        print(f"  {phase:<40}{ms:9.1f}")
+    two = result["processes"]
+    print(f"\n{two['case']}, global batch {two['global_batch']}: 1 process {two['one_process_images_per_s']:.1f} "
+          f"images/s, 2 processes (gloo) {two['two_processes_images_per_s']:.1f} images/s")
+    print("\nbeside K busy processes: images/s against the fair share (idle / (K + 1)); goal >= 0.8")
+    for row in result["contention"]:
+        print(f"  K={row['busy_processes']}: {row['images_per_s']:8.1f} images/s, fair share {row['fair_share']:8.1f}, "
+              f"{row['of_fair_share']:.2f} of it")
+
+
+def add_train_command(commands) -> None:
+    parser = commands.add_parser("train", help="the pretraining step against a plain PyTorch loop of the same model",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per case (default: 10)")
+    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default: 3)")
+    parser.add_argument("--imagenet", action="store_true",
+                        help="also SimCLR ResNet-50 at 224 px, batch 8 (about a minute more per variant)")
+    parser.add_argument("--only", nargs="+", metavar="WORD", help="only the cases whose name holds one of these")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every case, e.g. engine.precision=bf16")
+    parser.add_argument("--split-case", default="simclr", choices=[c[0] for c in cases(False)],
+                        help="the case split by phase, run on 2 processes and beside busy ones (default: simclr)")
+    parser.add_argument("--busy", nargs="*", type=positive_int, default=[1, 2],
+                        help="numbers of busy processes beside the step (default: 1 2)")
+    parser.add_argument("--data-dir", default="data/fashion_mnist",
+                        help="the Fashion-MNIST .beton files (the loader's row, the probe's classes; written when "
+                             "missing; default: data/fashion_mnist)")
+    parser.add_argument("--out", default="bench/train.json", help="where the JSON result goes")
+    parser.set_defaults(run=run_train_benchmark)
+    case = commands.add_parser("train-case", help=argparse.SUPPRESS)
+    case.add_argument("--case", required=True)
+    case.set_defaults(run=lambda args: print(json.dumps(run_case(args))) or {}, out=None)
