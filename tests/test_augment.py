@@ -137,7 +137,7 @@ def test_views_cut_from_padded_decoded_images_never_read_the_padding(interpolati
     drawn, _ = augment_views(canvas, extent, [whole], (0.0,) * 3, (1.0,) * 3, torch.Generator().manual_seed(0), extent)
     height, width = extent[1].tolist()
     image = canvas[1:2, :height, :width].permute(0, 3, 1, 2)
-    expected = F.interpolate(image, size=(40, 40), mode=interpolation, antialias=True, align_corners=False).float() / 255
+    expected = F.interpolate(image, size=(40, 40), mode=interpolation, antialias=True, align_corners=False) / 255
     assert torch.allclose(drawn[0][1, 0], expected[0], atol=1e-6)
 
 

@@ -182,3 +182,25 @@ def test_the_simclr_cifar_preset_holds_google_research_simclrs_cifar_command():
 def test_dino_presets_resize_their_crops_bicubically(config):
     """DataAugmentationDINO resizes every crop with interpolation=Image.BICUBIC (main_dino.py:436, :443, :452)."""
     assert all(group.interpolation == "bicubic" for group in load_config(CONFIGS / config).data.views)
+
+
+PRESETS = sorted([*CONFIGS.glob("*.yaml"), *(CONFIGS.parent / "transfer").glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_every_preset_names_its_source_and_has_a_row_in_the_preset_table(path):
+    """The header (the leading comment block) names the source whose values the preset holds, on one `# Source:`
+    line; docs/configuration.md's table of presets has its row (configs/transfer ones as `transfer/NAME`), which says
+    where the preset departs from that source."""
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    sources = [line for line in header if line.startswith("# Source: ")]
+    assert len(sources) == 1, f"{path}: its header needs one '# Source: ...' line naming the paper or code it follows"
+    assert len(sources[0].split()) >= 5, sources[0]
+    docs = (CONFIGS.parents[1] / "docs" / "configuration.md").read_text()
+    table = docs[docs.index("**Presets and their sources**"):docs.index("Any key can be overridden")]
+    name = path.name if path.parent == CONFIGS else f"transfer/{path.name}"
+    assert f"`{name}`" in table, f"docs/configuration.md's preset table has no row for {name}"
