@@ -110,7 +110,10 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
 @pytest.mark.slow
 def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_path):
     """Four short epochs of SimCLR, evaluated by the k-NN command, against the same encoder at its random
-    initialisation (the run's own seed) on the same images and preprocessing."""
+    initialisation (the run's own seed) on the same images and preprocessing. Both with every residual branch on
+    (model.zero_init_residual=false): SimCLR's own start, branches at zero (google-research/simclr), is at chance
+    here (through the stride-2 1x1 shortcuts a 16 px view reaches the features by one pixel), and 88 steps from it
+    reached 87.2% k-NN, under the 91.9% of the random ResNet with its branches on."""
     from eval.features import extract_features
     from eval.knn import weighted_knn
     from pretrain.data.loader import build_image_loader
@@ -118,7 +121,7 @@ def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_
 
     run_dir = tmp_path / "run"
     run(pretrain_command(run_dir, digits, "optim.epochs=4", "data.batch_size=64", "engine.image_grid_every_steps=0",
-                         tiny=False))
+                         "model.zero_init_residual=false", tiny=False))
     knn = run([sys.executable, "-m", "eval", "knn", "--run", str(run_dir), "--ks", "20"])
     assert "top-1" in knn.stdout
     pretrained = json.loads(next((run_dir / "eval").glob("knn_step*.json")).read_text())["top1"]["20"]
