@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
+from torch.profiler import record_function
 
 from pretrain.checkpoint import resume_from_newest_loadable, run_layout, save_checkpoint
 from pretrain.config_error import ConfigError
@@ -257,12 +258,15 @@ def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, 
         return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
     result = task.batch_loss(engine, batch, position, autocast)
-    if not finite_on_every_rank(result.loss):
-        raise NonFiniteLoss(result.loss.item())
-    engine.backward(result.loss)
-    if gradient_edits is not None and gradient_edits.active and engine.is_gradient_accumulation_boundary():
-        gradient_edits.apply(engine)
-    engine.step()
+    with record_function("hardview/finite_loss_check"):
+        if not finite_on_every_rank(result.loss):
+            raise NonFiniteLoss(result.loss.item())
+    with record_function("hardview/backward"):
+        engine.backward(result.loss)
+    with record_function("hardview/optimizer"):
+        if gradient_edits is not None and gradient_edits.active and engine.is_gradient_accumulation_boundary():
+            gradient_edits.apply(engine)
+        engine.step()
     result.loss = result.loss.detach()
     return result
 
@@ -398,19 +402,20 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
                             else {}
 
                         # ---- logging: the step's mean over its micro-batches and over the processes ----
-                        if step % o.log_every_steps == 0 or step == stop_step or epoch_scalars:
-                            elapsed = time.perf_counter() - window_start
-                            averaged = {**{name: total / o.grad_accum for name, total in step_sums.items()},
-                                        **task.scalars()}
-                            values = torch.tensor(list(averaged.values()), device=device, dtype=torch.float32)
-                            dist.all_reduce(values)
-                            monitor.log(step, epoch, {**dict(zip(averaged, (values / world_size).tolist())),
-                                                      "train/lr": float(schedules.lr[step - 1]),
-                                                      "train/weight_decay": float(schedules.weight_decay[step - 1]),
-                                                      "perf/images_per_s": images / max(elapsed, 1e-9),
-                                                      "perf/data_wait_frac": waited / max(elapsed, 1e-9),
-                                                      **epoch_scalars})
-                            waited, images, window_start = 0.0, 0, time.perf_counter()
+                        with record_function("hardview/logging"):
+                            if step % o.log_every_steps == 0 or step == stop_step or epoch_scalars:
+                                elapsed = time.perf_counter() - window_start
+                                averaged = {**{name: total / o.grad_accum for name, total in step_sums.items()},
+                                            **task.scalars()}
+                                values = torch.tensor(list(averaged.values()), device=device, dtype=torch.float32)
+                                dist.all_reduce(values)
+                                monitor.log(step, epoch, {**dict(zip(averaged, (values / world_size).tolist())),
+                                                          "train/lr": float(schedules.lr[step - 1]),
+                                                          "train/weight_decay": float(schedules.weight_decay[step - 1]),
+                                                          "perf/images_per_s": images / max(elapsed, 1e-9),
+                                                          "perf/data_wait_frac": waited / max(elapsed, 1e-9),
+                                                          **epoch_scalars})
+                                waited, images, window_start = 0.0, 0, time.perf_counter()
                         if result.images is not None and o.image_grid_every_steps and \
                                 step % o.image_grid_every_steps == 0:
                             for tag, grid in result.images().items():
@@ -419,10 +424,12 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
                         # ---- checkpoint; stop on a signal ----
                         every = o.checkpoint_every_steps
                         if (every and step % every == 0) or epoch_end or step == stop_step:
-                            checkpointer.save(epoch, batch_index)
+                            with record_function("hardview/checkpoint"):
+                                checkpointer.save(epoch, batch_index)
                         if step >= stop_step:           # the run is complete: a late signal changes nothing
                             break
-                        signum = stop.requested_on_any_rank(device)
+                        with record_function("hardview/stop_signal_check"):
+                            signum = stop.requested_on_any_rank(device)
                         if signum:
                             if checkpointer.saved_step != step:
                                 checkpointer.save(epoch, batch_index)

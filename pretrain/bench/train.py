@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -99,18 +100,21 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
             method.after_step = timed_after_step
             return method
 
-    phases = {}
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as profiler
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
 
-        with profiler(activities=[ProfilerActivity.CPU]) as prof:
+    from pretrain.distributed import release_distributed
+
+    phases = {}
+    try:                  # the group of one ends with the run: a process started later must not take it for its own
+        with profiler(activities=[ProfilerActivity.CPU]) if profile else nullcontext() as prof:
             run_training(Stage(cfg))
+    finally:
+        release_distributed()
+    if profile:           # the checkpoint at the end is once per run, not per step: left out
         for event in prof.key_averages():
-            if event.key.startswith("hardview/"):
+            if event.key.startswith("hardview/") and event.key != "hardview/checkpoint":
                 phases[event.key] = event.cpu_time_total / 1000 / steps
-    else:
-        run_training(Stage(cfg))
     return list(np.diff(stamps)), phases
 
 

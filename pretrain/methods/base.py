@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.profiler import record_function
 
 from pretrain.data.views import ViewBatch
 from pretrain.data.writer import classes_path
@@ -100,14 +101,16 @@ class Method(TrainingTask):
         """
         hvs, views, selection = self.hvs, batch.views, None
         if hvs.enabled:
-            with autocast():
+            with autocast(), record_function("hardview/selection"):
                 selection = select_hard_views(engine, self, batch.views, batch.boxes, batch.labels, self.train_counts,
                                               hvs.mode, hvs.selection_size, hvs.max_candidates, position.rng())
             views = selection.views
-        with autocast():
+        with autocast(), record_function("hardview/forward"):
             outputs = engine(views)
-        loss = self.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
-        scalars = self.monitor_scalars(outputs["features"], batch.labels) if "features" in outputs else {}
+        with record_function("hardview/loss"):
+            loss = self.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
+        with record_function("hardview/monitors"):
+            scalars = self.monitor_scalars(outputs["features"], batch.labels) if "features" in outputs else {}
         if selection is None:
             return BatchLoss(loss, scalars)
         shown = min(8, batch.batch_size)
