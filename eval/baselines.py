@@ -47,11 +47,14 @@ def evaluate_encoder(encode: Callable[[torch.Tensor], torch.Tensor], cfg: DictCo
 
 
 def random_init_backbone(cfg: DictConfig) -> torch.nn.Module:
-    """The config's backbone at its random initialisation, drawn from the config's seed, in eval mode."""
+    """The config's backbone at its random initialisation, drawn from the config's seed, in eval mode, with every
+    residual branch on. Not `model.zero_init_residual`: a ResNet whose branches start at zero (SimCLR's and SimSiam's
+    start, a training-start choice) is its shortcuts alone, at chance on 16 px digits (16.7% k-NN), where the random
+    feature extractor this row stands for scores 91.9%."""
     from pretrain.models import create_backbone
 
     torch.manual_seed(cfg.seed)
-    return create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size, cfg.model.zero_init_residual).eval()
+    return create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size, zero_init_residual=False).eval()
 
 
 def add_arguments(parser) -> None:
