@@ -212,7 +212,8 @@ def test_bf16_trains_every_method_under_every_zero_stage(results, config, stage)
 def test_zero3_accumulated_clipped_step_equals_the_hand_computed_one(results):
     r = results["zero3"]
     assert r["global_steps"] == 1                              # two micro-batches, one optimizer step
-    assert r["input_sides"] == [8, 16, 8, 16]                  # selection at 8 px, training at 16 px, twice
+    # selection at 8 px (the pool in one batch), training at 16 px (SimSiam: one forward per view), twice
+    assert r["input_sides"] == [8, 16, 16, 8, 16, 16]
     assert r["gradient_norm"] > 0.05 * 10                      # clipping had to act: the norm is 10x the bound
     assert r["error_vs_clipped"] < 1e-3 * r["step_size"]       # the engine took the clipped mean-gradient step
     assert r["error_vs_unclipped"] > 10 * r["error_vs_clipped"] + 1e-6
