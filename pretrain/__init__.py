@@ -1,7 +1,14 @@
 """Hardview pretraining: FFCV N-view data, methods with hard view selection, DeepSpeed ZeRO engine."""
 import os
 
-import torch
+# Before torch loads its OpenMP (libgomp reads this once, at load): a thread that reaches a barrier sleeps instead of
+# spinning for its partners. With the default spin, a 2-thread step beside one busy process ran at 0.69 of its fair
+# share (its threads spin for a partner whose core is taken); passive, at 1.08, and no slower alone
+# (docs/benchmarks.md, "Training step"). A value already set (OMP_WAIT_POLICY=active) is kept. The eval, transfer and
+# launch packages import this package first, so every command gets it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402  (after the OpenMP setting)
 
 # DeepSpeed picks its accelerator when first asked; without a GPU it must be the CPU one (gloo underneath).
 if not torch.cuda.is_available():

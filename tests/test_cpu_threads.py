@@ -35,3 +35,23 @@ def test_a_training_process_computes_with_its_share_unless_told():
     assert threads() == [str(cores), "3", "3"]
     assert threads(OMP_NUM_THREADS="1") == ["1", "3", "3"]
     assert threads(LOCAL_WORLD_SIZE=str(cores)) == ["1", "3", "3"]
+
+
+def test_every_command_sets_openmp_to_sleep_at_barriers_before_torch_loads():
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: each package sets it first (passive: a thread
+    waiting for a partner whose core is taken sleeps instead of spinning), and a value the user set is kept."""
+    script = ("import os, sys\n"
+              "class SeeTorchLoad:                  # the policy at the moment torch is first imported\n"
+              "    def find_spec(self, name, path, target=None):\n"
+              "        if name == 'torch':\n"
+              "            print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+              "sys.meta_path.insert(0, SeeTorchLoad())\n"
+              "import {package}\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for package in ("pretrain", "eval", "transfer", "launch", "eval.__main__"):
+        result = subprocess.run([sys.executable, "-c", script.format(package=package)], cwd=ROOT, env=env,
+                                capture_output=True, text=True, check=True)
+        assert result.stdout.split()[:2] == ["PASSIVE", "False"], (package, result.stdout)
+    kept = subprocess.run([sys.executable, "-c", script.format(package="eval")], cwd=ROOT, capture_output=True,
+                          text=True, check=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert kept.stdout.split()[0] == "ACTIVE"
