@@ -194,8 +194,12 @@ def run_peers(args: argparse.Namespace) -> dict:
                                         f"run_dir={run_dir}"], check=True)
                     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
                     rates = [line["perf/images_per_s"] for line in logged if "perf/images_per_s" in line]
-                else:
-                    rates = train_peer(method, cfg, run_dir, args.workers)
+                else:                 # a finished peer run is read back, as a finished project run is
+                    finished = run_dir / "finished.json"
+                    if not finished.exists():
+                        rates = train_peer(method, cfg, run_dir, args.workers)
+                        finished.write_text(json.dumps({"images_per_s": rates}))
+                    rates = json.loads(finished.read_text())["images_per_s"]
                 minutes = (time.perf_counter() - started) / 60
                 steps_per_epoch = 60000 // cfg.data.batch_size
                 for epoch, export in enumerate(epoch_exports(run_dir, steps_per_epoch, args.epochs), start=1):
