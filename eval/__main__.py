@@ -333,9 +333,10 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`python -m eval {knn,linear,retrieval,watch,baselines,plot} [options]`."""
+    """`python -m eval {knn,linear,retrieval,watch,baselines,plot,table} [options]`."""
     parser = CommandLineParser(prog="python -m eval", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{knn,linear,retrieval,watch,baselines,plot}")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{knn,linear,retrieval,watch,baselines,plot,table}")
 
     knn = commands.add_parser("knn", help="weighted k-NN top-1 on frozen features (DINO protocol)",
                               description="Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised "
@@ -417,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=plot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     plot.add_arguments(curves)
     curves.set_defaults(handler=plot.run_plot)
+
+    from eval import table
+    results = commands.add_parser("table", help="the results table of finished, evaluated runs (Markdown)",
+                                  description=table.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    table.add_arguments(results)
+    results.set_defaults(handler=table.run_table)
     return parser
 
 
@@ -429,12 +436,13 @@ def evaluate(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from eval.table import TableInputError
     from pretrain.data import DatasetError
     from pretrain.exit_status import UNWRITABLE, one_line
 
     try:
         status = args.handler(args)
-    except (EvaluationInputError, DatasetError) as error:
+    except (EvaluationInputError, DatasetError, TableInputError) as error:
         print(f"error: {one_line(error)}", file=sys.stderr)     # a loader worker's error: its own message
         return 2
     except OSError as error:        # results, a plot, the watcher's lock where they cannot be written

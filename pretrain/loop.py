@@ -414,6 +414,7 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
                                                           "train/weight_decay": float(schedules.weight_decay[step - 1]),
                                                           "perf/images_per_s": images / max(elapsed, 1e-9),
                                                           "perf/data_wait_frac": waited / max(elapsed, 1e-9),
+                                                          "perf/load_average_1min": os.getloadavg()[0],
                                                           **epoch_scalars})
                                 waited, images, window_start = 0.0, 0, time.perf_counter()
                         if result.images is not None and o.image_grid_every_steps and \

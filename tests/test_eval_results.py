@@ -2,6 +2,7 @@
 on a full disk, an error that names the file."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -47,3 +48,38 @@ def test_a_result_on_a_full_disk_names_the_file_and_leaves_nothing_half_written(
         assert (full.value.errno, full.value.filename) == (errno.ENOSPC, str(disk / "run" / "tb"))
         assert sorted(os.listdir(disk)) == ["filler", "run"]
         assert not (disk / "run" / "eval" / "knn_step0000042.json").exists()
+
+
+def test_the_results_table_is_read_from_what_the_runs_wrote(tmp_path, capsys):
+    """`python -m eval table`: method and selection from config.yaml, the final step's k-NN and linear results,
+    minutes, median images/s and load from metrics.jsonl; an unfinished or unevaluated run is named, not shown."""
+    import yaml
+
+    from eval.__main__ import main
+
+    def finished_run(name: str, hvs: dict, knn: float, evaluated: bool = True) -> Path:
+        run = tmp_path / name
+        (run / "eval").mkdir(parents=True)
+        config = {"method": {"name": "simclr"}, "seed": 1, "hvs": hvs,
+                  "data": {"views": [{"count": 2, "size": 16}]}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "finished.json").write_text(json.dumps({"step": 468, "epoch": 0}))
+        (run / "eval" / "knn_step0000400.json").write_text(json.dumps({"top1": {"20": 0.5}}))      # an older one
+        if evaluated:
+            (run / "eval" / "knn_step0000468.json").write_text(json.dumps({"top1": {"20": knn}}))
+            (run / "eval" / "linear_step0000468.json").write_text(json.dumps({"top1": 0.8384}))
+        lines = [{"step": s, "time": 1000.0 + 30 * s, "perf/images_per_s": rate, "perf/load_average_1min": load}
+                 for s, rate, load in ((1, 20.0, 5.0), (2, 300.0, 1.5), (3, 340.0, 2.0), (4, 350.0, 1.0))]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return run
+
+    plain = finished_run("simclr", {"enabled": False}, 0.7871)
+    selected = finished_run("simclr_hvs", {"enabled": True, "num_views": [4]}, 0.7994)
+    assert main(["table", str(plain), str(selected), "--out", str(tmp_path / "table.md")]) == 0
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert table[2] == "| simclr | simclr | - | 78.71% | 83.84% | 1.5 | 340 | 1.75 |"      # the first rate left out
+    assert table[3].startswith("| simclr_hvs | simclr | 6 pairs of 4 | 79.94% |")
+    assert json.loads((tmp_path / "table.json").read_text())[1]["seed"] == 1
+    unevaluated = finished_run("late", {"enabled": False}, 0.0, evaluated=False)
+    assert main(["table", str(plain), str(unevaluated)]) == 2
+    assert "no knn result of its final step 468; run `python -m eval knn --run" in capsys.readouterr().err

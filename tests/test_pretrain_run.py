@@ -61,6 +61,7 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     for line in lines:
         assert 0 <= line["perf/data_wait_frac"] <= 1 and line["perf/images_per_s"] > 0
+        assert line["perf/load_average_1min"] >= 0                      # a run that shared the machine shows it
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0}).Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/weight_decay", "perf/images_per_s", "perf/data_wait_frac",

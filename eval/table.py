@@ -1,0 +1,103 @@
+"""`python -m eval table RUN_DIR ... [--out FILE.md]`: the results table of finished runs, read from what they wrote.
+
+One row per run: the method and its hard view selection (RUN_DIR/config.yaml), the k-NN top-1 (k = 20) and the
+linear-probe top-1 of its final export (RUN_DIR/eval/knn_stepN.json, linear_stepN.json: run `python -m eval knn`
+and `linear` first), the training's wall-clock minutes and median images/s, and the median 1-minute load average
+while it trained (RUN_DIR/metrics.jsonl: a load above the cores the run used says it shared the machine). A run
+without a result of its final step is named, not shown with an older one. The README's and docs' results tables
+are this command's output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+
+class TableInputError(ValueError):
+    """A run directory the table cannot be made from; the message names it and what to run."""
+
+
+def selection(config: dict) -> str:
+    """'-' without hard view selection, else what it chose from: '6 pairs of 4', 'the hardest of 4 candidates'."""
+    hvs = config.get("hvs", {})
+    if not hvs.get("enabled"):
+        return "-"
+    counts = [group["count"] for group in config["data"]["views"]]
+    pools = list(hvs["num_views"])
+    if len(pools) == 1:
+        kind = {2: "pairs", 3: "triplets"}.get(counts[0], f"{counts[0]}-tuples")
+        return f"{math.comb(pools[0], counts[0])} {kind} of {pools[0]}"
+    candidates = math.prod(math.comb(n, k) for n, k in zip(pools, counts))
+    cap = hvs.get("max_candidates", 0)
+    return f"the hardest of {min(candidates, cap) if cap else candidates} candidates, pools {pools}"
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise TableInputError(f"{path}: cannot be read ({error})") from None
+
+
+def run_row(run_dir: Path) -> dict:
+    """What the table shows of one finished run."""
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise TableInputError(f"{run_dir}: no config.yaml; pass the directory of a pretraining run")
+    config = yaml.safe_load(config_path.read_text())
+    finished = run_dir / "finished.json"
+    if not finished.is_file():
+        raise TableInputError(f"{run_dir}: not finished (no finished.json); rerun its command to resume it")
+    step = read_json(finished)["step"]
+    scores = {}
+    for protocol in ("knn", "linear"):
+        result = run_dir / "eval" / f"{protocol}_step{step:07d}.json"
+        if not result.is_file():
+            raise TableInputError(f"{run_dir}: no {protocol} result of its final step {step}; run "
+                                  f"`python -m eval {protocol} --run {run_dir}`")
+        top1 = read_json(result)["top1"]
+        scores[protocol] = 100 * float(top1["20"] if protocol == "knn" else top1)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rates = [line["perf/images_per_s"] for line in lines if "perf/images_per_s" in line][1:]
+    loads = [line["perf/load_average_1min"] for line in lines if "perf/load_average_1min" in line]
+    minutes = (lines[-1]["time"] - lines[0]["time"]) / 60 if len(lines) > 1 else float("nan")
+    return {"run": run_dir.name, "method": config["method"]["name"], "selection": selection(config),
+            "seed": config.get("seed", 0), "step": step, "knn": round(scores["knn"], 2),
+            "linear": round(scores["linear"], 2), "minutes": round(minutes, 1),
+            "images_per_s": round(float(np.median(rates)), 0) if rates else None,
+            "load_average_1min": round(float(np.median(loads)), 2) if loads else None}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| run | method | HVS | k-NN | linear | minutes | images/s | load (1 min) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        load = "" if row["load_average_1min"] is None else f"{row['load_average_1min']:.2f}"
+        rate = "" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"
+        lines.append(f"| {row['run']} | {row['method']} | {row['selection']} | {row['knn']:.2f}% | "
+                     f"{row['linear']:.2f}% | {row['minutes']:.1f} | {rate} | {load} |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="finished pretraining runs, evaluated")
+    parser.add_argument("--out", metavar="FILE.md", help="also write the table there, and the rows as FILE.json")
+
+
+def run_table(args: argparse.Namespace) -> int:
+    rows = [run_row(Path(run)) for run in args.runs]
+    table = markdown(rows)
+    print(table)
+    if args.out:
+        from pretrain.atomic_write import write_text_atomically
+
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(out, table + "\n")
+        write_text_atomically(out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
+    return 0
