@@ -7,7 +7,8 @@ cost is `bench loader`'s and the split's "data" row):
   all-reduces, logging), timed between consecutive optimizer steps;
 - the plain loop, written here: the same method module (backbone, heads, loss; hard view selection by the same
   `select_hard_views`) and the same torch optimizer, `loss.backward(); optimizer.step()`, nothing else.
-Images/s is the median over the timed steps after a warm-up; the ratio plain / project is the project's overhead.
+Images/s is the median over the timed steps after a warm-up, the faster of two runs of each (project, plain, plain,
+project, each in a process of its own); the ratio plain / project is the project's overhead.
 Then the project's step split by phase (torch.profiler over `record_function` ranges the loop and the methods
 mark: `hardview/...`), the step on 2 processes (gloo, the same global batch), and the step while K busy
 processes share the cores, against the fair share (idle rate / (K + 1)).
@@ -208,18 +209,23 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
         overrides = [*overrides, *args.override]
         cfg = load_config(config, overrides)
         common = {"config": config, "overrides": overrides, "steps": steps, "data": str(data)}
-        project = images_per_s(cfg, timed_in_a_process(common), args.warmup)
-        plain = images_per_s(cfg, timed_in_a_process({**common, "plain": True}), args.warmup)
+        # Project, plain, plain, project, each in a process of its own; the faster of each pair's medians (the run
+        # least disturbed by anything else on the machine): one run's ratio is then steady to a few percent.
+        project, plain = 0.0, 0.0
+        for kind in ("project", "plain", "plain", "project"):
+            rate = images_per_s(cfg, timed_in_a_process({**common, "plain": kind == "plain"}), args.warmup)
+            project, plain = (max(project, rate), plain) if kind == "project" else (project, max(plain, rate))
         rows.append({"case": name, "batch": cfg.data.batch_size, "project_images_per_s": round(project, 1),
                      "plain_images_per_s": round(plain, 1), "overhead": round(plain / project, 3)})
         print(f"  {name:<24} batch {cfg.data.batch_size:>4}: project {project:8.1f} images/s, plain loop "
               f"{plain:8.1f}, overhead {plain / project:.3f}x", flush=True)
     result = {"command": "train", "cores": os.cpu_count(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows, "warmup": args.warmup, "steps": args.steps}
-    split_case = next(c for c in cases(False) if c[0] == args.split_case)
-    result["split"] = step_split(split_case, args, data)
-    result["processes"] = two_processes(split_case, args, data)
-    result["contention"] = contention(split_case, args, data)
+    if args.split_case != "none":
+        split_case = next(c for c in cases(False) if c[0] == args.split_case)
+        result["split"] = step_split(split_case, args, data)
+        result["processes"] = two_processes(split_case, args, data)
+        result["contention"] = contention(split_case, args, data)
     result["load_average_1min"] = os.getloadavg()[0]
     print_tables(result)
     return result
@@ -296,6 +302,8 @@ def print_tables(result: dict) -> None:
     for row in result["rows"]:
         print(f"{row['case']:<24}{row['batch']:>6}{row['project_images_per_s']:>10.1f}"
               f"{row['plain_images_per_s']:>10.1f}{row['overhead']:>17.3f}")
+    if "split" not in result:
+        return
     split = result["split"]
     print(f"\n{split['case']}: where a step's time goes (ms per step; the step {split['step_ms_profiled']:.1f} ms "
           f"under the profiler), and the loader's time per batch of the same recipe: {split['loader_ms_per_batch']:.1f} "
@@ -314,15 +322,16 @@ def print_tables(result: dict) -> None:
 def add_train_command(commands) -> None:
     parser = commands.add_parser("train", help="the pretraining step against a plain PyTorch loop of the same model",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per case (default: 10)")
-    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default: 3)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per run (default: 20)")
+    parser.add_argument("--warmup", type=positive_int, default=5, help="untimed steps first (default: 5)")
     parser.add_argument("--imagenet", action="store_true",
                         help="also SimCLR ResNet-50 at 224 px, batch 8 (about a minute more per variant)")
     parser.add_argument("--only", nargs="+", metavar="WORD", help="only the cases whose name holds one of these")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every case, e.g. engine.precision=bf16")
-    parser.add_argument("--split-case", default="simclr", choices=[c[0] for c in cases(False)],
-                        help="the case split by phase, run on 2 processes and beside busy ones (default: simclr)")
+    parser.add_argument("--split-case", default="simclr", choices=[*(c[0] for c in cases(False)), "none"],
+                        help="the case split by phase, run on 2 processes and beside busy ones, or none "
+                             "(default: simclr)")
     parser.add_argument("--busy", nargs="*", type=positive_int, default=[1, 2],
                         help="numbers of busy processes beside the step (default: 1 2)")
     parser.add_argument("--data-dir", default="data/fashion_mnist",
