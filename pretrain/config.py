@@ -91,6 +91,9 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1e-4
     weight_decay_end: Optional[float] = None  # cosine weight-decay schedule to this value (None: constant)
+    # Decay biases and normalisation parameters too; None: the method's reference (`reference_optim` of its class:
+    # SimSiam, SupCon, TCL true; SimCLR, DINO false); fine-tuning: false.
+    decay_norm_and_bias: Optional[bool] = None
     grad_clip: float = 0.0                   # max global gradient norm; 0 disables clipping
     grad_clip_per_parameter: float = 0.0     # max gradient norm of each parameter tensor (DINO: 3.0); 0 disables
     grad_accum: int = 1                      # micro-batches per optimizer step
@@ -109,7 +112,7 @@ class EngineConfig:
     print_every_steps: int = 10              # progress line on the console
     image_grid_every_steps: int = 500        # 0 disables the grid of selected views
     max_steps: int = 0                       # stop after this many optimizer steps (0: the whole schedule)
-    threads: int = 0                         # CPU threads per process; 0: its share of the cores (pretrain/cpu_threads.py)
+    threads: int = 0                         # CPU threads per process; 0: its share of the cores (cpu_threads.py)
 
 
 @dataclass
@@ -268,19 +271,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfi
     cfg = OmegaConf.structured(Config)
     cfg.method = OmegaConf.structured(options)
     cfg = merge_checked(cfg, keys, tree, parsed)
-    fill_reference_model_values(cfg)
+    fill_reference_values(cfg)
     validate(cfg)
     return cfg
 
 
-def fill_reference_model_values(cfg: DictConfig) -> None:
-    """The `model.*` keys left at None take the value of the method's reference (`Method.reference_model`), so that
-    RUN_DIR/config.yaml and the export record what was built."""
+def fill_reference_values(cfg: DictConfig) -> None:
+    """The `model.*` and `optim.*` keys left at None take the value of the method's reference
+    (`Method.reference_model`, `Method.reference_optim`), so that RUN_DIR/config.yaml and the export record what was
+    built."""
     from pretrain.methods import method_module
 
-    for key, value in method_module(cfg.method.name).METHOD.reference_model.items():
-        if cfg.model[key] is None:
-            cfg.model[key] = value
+    method = method_module(cfg.method.name).METHOD
+    for section, values in (("model", method.reference_model), ("optim", method.reference_optim)):
+        for key, value in values.items():
+            if cfg[section][key] is None:
+                cfg[section][key] = value
 
 
 def read_config_file(path: str | Path, configs_dir: str = "configs/pretrain/") -> dict:

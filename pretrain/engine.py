@@ -57,7 +57,8 @@ class Pretraining(ConfiguredStage):
         # they were). Values such as optim.lr and the weight decay may change: they apply from the resumed step on.
         check_resumable(self.run_dir / "config.yaml", self.cfg,
                         ("model.arch", "model.stem", "method.name", "model.proj_out_dim", "optim.name",
-                         "optim.momentum", "optim.betas", "method.fix_pred_lr", "method.freeze_last_layer_epochs"))
+                         "optim.momentum", "optim.betas", "optim.decay_norm_and_bias", "method.fix_pred_lr",
+                         "method.freeze_last_layer_epochs"))
 
     def check_fresh_start(self) -> None:
         check_fresh_start(self.run_dir)

@@ -53,7 +53,8 @@ def scaled_lr(cfg: DictConfig, global_batch: int) -> float:
 
 
 def build_optimizer(cfg: DictConfig, param_groups: list[dict], peak_lr: float) -> torch.optim.Optimizer:
-    """The optimizer over the method's groups; `no_decay` groups get no weight decay.
+    """The optimizer over the method's groups; `no_decay` groups get no weight decay, unless
+    `optim.decay_norm_and_bias`.
 
     adam is torch.optim.Adam, whose weight decay is coupled: wd * w is added to the gradient before the moments (an
     L2 penalty, divided by Adam's scaling like the gradient), as paper 002's "Adam optimizer with 5e-4 weight
@@ -62,6 +63,8 @@ def build_optimizer(cfg: DictConfig, param_groups: list[dict], peak_lr: float) -
     """
     o = cfg.optim
     for group in param_groups:
+        if o.get("decay_norm_and_bias"):     # every parameter decays: the groups' no_decay flags are dropped
+            group.pop("no_decay", None)
         group["weight_decay"] = 0.0 if group.get("no_decay") else o.weight_decay
     if o.name == "sgd":
         return torch.optim.SGD(param_groups, lr=peak_lr, momentum=o.momentum, weight_decay=o.weight_decay)

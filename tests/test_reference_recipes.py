@@ -204,3 +204,21 @@ def test_every_preset_names_its_source_and_has_a_row_in_the_preset_table(path):
     table = docs[docs.index("**Presets and their sources**"):docs.index("Any key can be overridden")]
     name = path.name if path.parent == CONFIGS else f"transfer/{path.name}"
     assert f"`{name}`" in table, f"docs/configuration.md's preset table has no row for {name}"
+
+
+@pytest.mark.parametrize("config, reference", [("simclr_digits.yaml", False), ("simsiam_digits.yaml", True),
+                                               ("dino_digits.yaml", False), ("supcon_digits.yaml", True),
+                                               ("tcl_digits.yaml", True)])
+def test_biases_and_normalisation_are_decayed_as_in_the_methods_reference(config, reference):
+    """SupContrast (and the TCL code on it) and facebookresearch/simsiam pass every parameter to SGD with the weight
+    decay; google-research/simclr and DINO exclude biases and BatchNorm. `optim.decay_norm_and_bias` gives the other
+    behaviour one key away; SupCon and TCL used to exclude them."""
+    def decays(overrides=()) -> tuple[bool, bool]:
+        cfg = load_config(CONFIGS / config, [*TINY, *overrides])
+        optimizer = build_optimizer(cfg, build_method(cfg).param_groups(), 0.1)
+        set_schedule_values(optimizer, lr=0.1, weight_decay=1e-4, base_lr=0.1, step=0)
+        one_d = [group["weight_decay"] for group in optimizer.param_groups for p in group["params"] if p.ndim == 1]
+        return cfg.optim.decay_norm_and_bias, all(wd == 1e-4 for wd in one_d) and bool(one_d)
+
+    assert decays() == (reference, reference)
+    assert decays([f"optim.decay_norm_and_bias={str(not reference).lower()}"]) == (not reference, not reference)

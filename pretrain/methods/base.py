@@ -71,6 +71,7 @@ class Method(TrainingTask):
     iou_views: int | None = None
     # Every method states its own (module docstring): no default here, so that none inherits another's reference.
     reference_model: dict[str, object]
+    reference_optim: dict[str, object]
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__()

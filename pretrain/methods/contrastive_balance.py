@@ -57,6 +57,8 @@ class ContrastiveBalance(TCL):
     # Paper 000 publishes no code and names no projection head (module docstring): the backbone at torchvision's
     # init (no zero-init) and the project's MLP with BatchNorm hidden layers, as before these became per-method values.
     reference_model = {"zero_init_residual": False, "proj_hidden_bn": True}
+    # the paper publishes no code: this project's choice
+    reference_optim = {"decay_norm_and_bias": False}
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:

@@ -150,6 +150,8 @@ class DINO(Method):
     # main_dino.py:176 builds a ResNet as torchvision_models.__dict__[args.arch](): torchvision's default,
     # zero_init_residual=False (automl/hvp@dino the same, pretrain.py:213). The DINO head is not model.proj_*'s MLP.
     reference_model = {"zero_init_residual": False}
+    # facebookresearch/dino utils.get_params_groups: no decay for biases and norms
+    reference_optim = {"decay_norm_and_bias": False}
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)

@@ -35,6 +35,8 @@ class SimCLR(Method):
     # google-research/simclr: each residual block's last BatchNorm starts at zero (resnet.py:395 and :480,
     # init_zero=True); the head's hidden layers are linear + BatchNorm + ReLU (model_util.py:162-165, use_bn=True).
     reference_model = {"zero_init_residual": True, "proj_hidden_bn": True}
+    # google-research/simclr excludes BatchNorm from the decay (LARS's exclude_from_weight_decay, add_weight_decay)
+    reference_optim = {"decay_norm_and_bias": False}
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from pretrain.losses.negative_cosine import negative_cosine_per_sample
-from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
+from pretrain.methods.base import Method, encode_view_groups, require_one_view_group, split_decay_groups
 from pretrain.models import backbone_from_config, mlp, projector_from_config
 
 
@@ -40,6 +41,8 @@ class SimSiam(Method):
     # passes it too, pretrain.py:60 and :67); the projector's hidden layers are Linear(no bias)-BN-ReLU
     # (builder.py:28-33).
     reference_model = {"zero_init_residual": True, "proj_hidden_bn": True}
+    # facebookresearch/simsiam main_simsiam.py passes every parameter to SGD
+    reference_optim = {"decay_norm_and_bias": True}
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
@@ -75,9 +78,11 @@ class SimSiam(Method):
         return negative_cosine_per_sample(p[:, a], z[:, a], p[:, b], z[:, b])
 
     def param_groups(self) -> list[dict]:
-        # No `no_decay` group: SimSiam decays everything (module docstring).
-        encoder = [*self.backbone.parameters(), *self.projector.parameters()]
-        return [{"params": encoder}, {"params": list(self.predictor.parameters()), "fixed_lr": self.fix_pred_lr}]
+        # SimSiam decays everything (module docstring): optim.decay_norm_and_bias, true by default, drops the no_decay
+        # groups' flag (pretrain/optim.py); false gives the split of SimCLR and DINO.
+        encoder = nn.ModuleList([self.backbone, self.projector])
+        groups = split_decay_groups(encoder) + split_decay_groups(self.predictor, fixed_lr=self.fix_pred_lr)
+        return [group for group in groups if group["params"]]
 
 
 METHOD = SimSiam

@@ -93,6 +93,8 @@ class SMoCo(Method):
     # touches: from scratch, torchvision's default (false). Its embedding is one fully-connected layer
     # (model.proj_layers 1: no hidden layer); model.proj_layers 2 is the project's MLP with BatchNorm hidden layers.
     reference_model = {"zero_init_residual": False, "proj_hidden_bn": True}
+    # the paper publishes no code: this project's choice
+    reference_optim = {"decay_norm_and_bias": False}
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)

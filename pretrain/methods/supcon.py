@@ -33,6 +33,8 @@ class SupCon(TCL):
     # HobbitLong/SupContrast: SupConResNet builds its ResNet with zero_init_residual=False (networks/resnet_big.py:76,
     # `model_fun()` at :170) and the head Linear-ReLU-Linear with biases and no BatchNorm (:174-178).
     reference_model = {"zero_init_residual": False, "proj_hidden_bn": False}
+    # HobbitLong/SupContrast set_optimizer: SGD(model.parameters(), weight_decay=...)
+    reference_optim = {"decay_norm_and_bias": True}
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:

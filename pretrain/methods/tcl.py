@@ -57,6 +57,8 @@ class TCL(Method):
     # with zero_init_residual=False (models/resnet_big_pretrained_cifar.py:77) and the head Linear-ReLU-Linear with
     # biases and no BatchNorm (:113), SupContrast's SupConResNet head.
     reference_model = {"zero_init_residual": False, "proj_hidden_bn": False}
+    # the TCL code builds on SupContrast: SGD over every parameter
+    reference_optim = {"decay_norm_and_bias": True}
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
