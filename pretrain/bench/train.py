@@ -119,8 +119,13 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
     return list(np.diff(stamps)), phases
 
 
-def plain_step_seconds(cfg, steps: int) -> list[float]:
-    """Seconds per step of a plain PyTorch loop of the same method module and optimizer on the same batch."""
+PLAIN_VARIANTS = ("channels_last", "compile", "bf16")
+
+
+def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[float]:
+    """Seconds per step of a plain PyTorch loop of the same method module and optimizer on the same batch; a
+    `variant` of PLAIN_VARIANTS measures what the loop would gain from it: the backbone and the views in
+    channels-last memory, `torch.compile` of the backbone, or bf16 autocast."""
     import random
 
     from pretrain.hvs import select_hard_views
@@ -131,6 +136,10 @@ def plain_step_seconds(cfg, steps: int) -> list[float]:
     method = build_method(cfg, steps).train()
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
     batch = fixed_batch(cfg)
+    if variant == "channels_last":      # the weights: a convolution then computes in channels-last
+        method = method.to(memory_format=torch.channels_last)
+    if variant == "compile":
+        method.backbone = torch.compile(method.backbone)
     times = []
     for step in range(steps):
         start = time.perf_counter()
@@ -139,7 +148,9 @@ def plain_step_seconds(cfg, steps: int) -> list[float]:
             views = select_hard_views(method, method, batch.views, batch.boxes, batch.labels, method.train_counts,
                                       cfg.hvs.mode, cfg.hvs.selection_size, cfg.hvs.max_candidates,
                                       random.Random(step)).views
-        loss = method.loss(method(views), batch.labels)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16"):
+            outputs = method(views)
+        loss = method.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -171,7 +182,7 @@ def run_case(args: argparse.Namespace) -> dict:
             from pretrain.distributed import init_distributed, release_distributed
 
             init_distributed("cpu")               # a group of one: DINO's centre is all-reduced
-            seconds = plain_step_seconds(cfg, case["steps"])
+            seconds = plain_step_seconds(cfg, case["steps"], case.get("variant"))
             release_distributed()
         else:
             seconds, _ = project_step_seconds(cfg, case["steps"])
@@ -227,6 +238,8 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
               f"{plain:8.1f}, overhead {plain / project:.3f}x", flush=True)
     result = {"command": "train", "cores": os.cpu_count(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows, "warmup": args.warmup, "steps": args.steps}
+    if args.plain_variants:
+        result["plain_variants"] = plain_variants(args, data)
     if args.split_case != "none":
         split_case = next(c for c in cases(False) if c[0] == args.split_case)
         result["split"] = step_split(split_case, args, data)
@@ -235,6 +248,26 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
     result["load_average_1min"] = os.getloadavg()[0]
     print_tables(result)
     return result
+
+
+def plain_variants(args, data: Path) -> list[dict]:
+    """The plain loop of each selected case as it is and with each variant (PLAIN_VARIANTS), the faster of two runs:
+    what channels-last, torch.compile or bf16 autocast would buy before anything is built for them."""
+    from pretrain.config import load_config
+
+    rows = []
+    for name, config, overrides in cases(args.imagenet):
+        if args.only and not any(word in name for word in args.only):
+            continue
+        cfg = load_config(config, overrides)
+        common = {"config": config, "overrides": overrides, "steps": args.warmup + args.steps, "data": str(data),
+                  "plain": True}
+        for variant in (None, *args.plain_variants):
+            rate = max(images_per_s(cfg, timed_in_a_process({**common, "variant": variant}), args.warmup)
+                       for _ in range(2))
+            rows.append({"case": name, "variant": variant or "as it is", "plain_images_per_s": round(rate, 1)})
+            print(f"  plain loop {name:<24}{variant or 'as it is':<16}{rate:8.1f} images/s", flush=True)
+    return rows
 
 
 def step_split(case, args, data: Path) -> dict:
@@ -311,6 +344,10 @@ def print_tables(result: dict) -> None:
     for row in result["rows"]:
         print(f"{row['case']:<24}{row['batch']:>6}{row['project_images_per_s']:>10.1f}"
               f"{row['plain_images_per_s']:>10.1f}{row['overhead']:>17.3f}")
+    if "plain_variants" in result:
+        print("\nthe plain loop with a variant (images/s, the faster of two runs)")
+        for row in result["plain_variants"]:
+            print(f"  {row['case']:<24}{row['variant']:<16}{row['plain_images_per_s']:8.1f}")
     if "split" not in result:
         return
     split = result["split"]
@@ -341,6 +378,9 @@ def add_train_command(commands) -> None:
     parser.add_argument("--split-case", default="simclr", choices=[*(c[0] for c in cases(False)), "none"],
                         help="the case split by phase, run on 2 processes and beside busy ones, or none "
                              "(default: simclr)")
+    parser.add_argument("--plain-variants", nargs="*", choices=PLAIN_VARIANTS, default=[],
+                        help="also time the plain loop of the selected cases with these: channels_last, compile "
+                             "(torch.compile of the backbone), bf16 (autocast)")
     parser.add_argument("--busy", nargs="*", type=positive_int, default=[1, 2],
                         help="numbers of busy processes beside the step (default: 1 2)")
     parser.add_argument("--data-dir", default="data/fashion_mnist",
