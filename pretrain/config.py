@@ -112,6 +112,12 @@ class EngineConfig:
     print_every_steps: int = 10              # progress line on the console
     image_grid_every_steps: int = 500        # 0 disables the grid of selected views
     max_steps: int = 0                       # stop after this many optimizer steps (0: the whole schedule)
+    # A wall-clock budget: stop after this many minutes of training (0: none), counted across resumes (in the
+    # checkpoint), without checkpoint writes and end-of-epoch evaluations; the run ends as a finished one.
+    max_minutes: float = 0.0
+    # A checkpoint (and export) every N minutes of training, in place of the epoch ends' (0: at epoch ends): the
+    # evaluation marks of a time-budgeted run (`python -m launch benchmark`).
+    checkpoint_every_minutes: float = 0.0
     threads: int = 0                         # CPU threads per process; 0: its share of the cores (cpu_threads.py)
 
 
@@ -172,6 +178,8 @@ NUMBER_RANGES = (
     ("engine.print_every_steps", ">=", 1, "steps"),
     ("engine.image_grid_every_steps", ">=", 0, "0 disables the grid"),
     ("engine.max_steps", ">=", 0, "0: the whole schedule"),
+    ("engine.max_minutes", ">=", 0, "minutes of training, 0: no time budget"),
+    ("engine.checkpoint_every_minutes", ">=", 0, "minutes of training, 0: at epoch ends"),
     ("engine.threads", ">=", 0, "CPU threads per process, 0: the process's share of the cores"),
     ("hvs.selection_size", ">=", 1, "pixels"),
     ("monitor.online_probe_lr", ">", 0, "the online probe's Adam lr"),

@@ -9,9 +9,10 @@ that checkpoint. SIGUSR1, which other job scripts ask the scheduler for, stops t
 to the same stop: it does not cut short the checkpoint being written (the scheduler's SIGKILL ends the job when it
 must).
 
-A handler only records the request; the training loop asks `requested_on_any_rank()` once per optimizer
-step, an all-reduce, so that every process stops after the same step even when the signal reached only
-one of them, and the checkpoint (a collective save under ZeRO) is written by all of them together.
+A handler only records the request; the training loop asks `agree()` once per optimizer step, an all-reduce
+that also carries the training clock of a time budget, so that every process stops after the same step even
+when the signal reached only one of them, and the checkpoint (a collective save under ZeRO) is written by all
+of them together.
 
 Launchers deliver one request twice: Ctrl-C reaches every process of the terminal's process group, and
 torchrun then forwards the signal to its workers again. A repeat within `repeat_window_s` of the first
@@ -69,10 +70,18 @@ class GracefulStop:
 
     def requested_on_any_rank(self, device: torch.device) -> int | None:
         """The signal number if any process received a stop signal (a collective: call it on every rank)."""
-        flag = torch.tensor([float(self.signum or 0)], device=device)
+        return self.agree(device, 0.0)[0]
+
+    def agree(self, device: torch.device, trained_seconds: float) -> tuple[int | None, float]:
+        """The signal number if any process received a stop signal, and the largest of the processes'
+        `trained_seconds` (their training clocks differ by milliseconds): one all-reduce, so that every process
+        stops on a signal or at the time budget, and checkpoints at a minute mark, after the same step (a
+        collective: call it on every rank)."""
+        flags = torch.tensor([float(self.signum or 0), trained_seconds], device=device, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()) or None
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signum, seconds = flags.tolist()
+        return int(signum) or None, seconds
 
     def restore(self) -> None:
         """Put back the handlers that were installed before."""

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,9 +79,11 @@ class LoopOptions:
     zero_stage: int = 0
     precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
     max_steps: int = 0              # stop after this many optimizer steps (0: all epochs); schedules span all
+    max_minutes: float = 0.0        # stop after this many minutes of training (TrainingClock; 0: no time budget)
     log_every_steps: int = 10
     print_every_steps: int = 10
     checkpoint_every_steps: int = 0  # 0: at epoch ends (and the last step) only
+    checkpoint_every_minutes: float = 0.0   # of training, in place of the epoch ends' (0: at epoch ends)
     keep_checkpoints: int = 0       # 0: keep all
     image_grid_every_steps: int = 0
     sync_batchnorm: bool = True     # GPUs, several processes
@@ -94,8 +97,10 @@ class LoopOptions:
         return cls(epochs=cfg.optim.epochs, batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
                    grad_clip=float(cfg.optim.grad_clip),
                    grad_clip_per_parameter=float(cfg.optim.grad_clip_per_parameter), seed=cfg.seed, zero_stage=e.zero_stage,
-                   precision=e.precision, max_steps=e.max_steps, log_every_steps=e.log_every_steps,
-                   print_every_steps=e.print_every_steps, checkpoint_every_steps=e.checkpoint_every_steps,
+                   precision=e.precision, max_steps=e.max_steps, max_minutes=float(e.get("max_minutes", 0.0)),
+                   log_every_steps=e.log_every_steps, print_every_steps=e.print_every_steps,
+                   checkpoint_every_steps=e.checkpoint_every_steps,
+                   checkpoint_every_minutes=float(e.get("checkpoint_every_minutes", 0.0)),
                    keep_checkpoints=e.keep_checkpoints,
                    image_grid_every_steps=e.get("image_grid_every_steps", 0), sync_batchnorm=e.sync_batchnorm,
                    channels_last=e.channels_last, threads=e.get("threads", 0))
@@ -191,6 +196,26 @@ class ConfiguredStage(Stage):
         return build_optimizer(self.cfg, task.param_groups(), peak_lr)
 
 
+class TrainingClock:
+    """The seconds a run has trained, across resumes: a resumed run starts from the checkpoint's count, so a run
+    killed and resumed does not restart its time budget. Checkpoint writes and end-of-epoch evaluations are left
+    out (`paused`): they measure the run, and a benchmark's evaluation marks must not cost its training time."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.origin = time.perf_counter() - seconds
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.origin
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.origin += time.perf_counter() - started
+
+
 class Checkpointer:
     """Saves the run at a step (DeepSpeed checkpoint + trainer state + the task's state outside the engine, then
     the task's `write_export`) after checking that the parameters are finite, resumes it, and words what
@@ -201,24 +226,26 @@ class Checkpointer:
         self.directory = stage.run_dir / "checkpoints"
         self.saved_step: int | None = None
 
-    def resume(self) -> tuple[int, int] | None:
-        """Load the newest checkpoint that loads; return its (epoch, batch in epoch), or None (a fresh start)."""
+    def resume(self) -> tuple[int, int, float] | None:
+        """Load the newest checkpoint that loads; return its (epoch, batch in epoch, seconds trained), or None (a
+        fresh start). A checkpoint written before the training clock was kept counts from 0."""
         resumed = resume_from_newest_loadable(self.engine, self.directory, self.layout)
         if resumed is None:
             return None
         trainer_state, client_state = resumed
         self.task.load_state_outside_engine(client_state.get("task", client_state.get("method", {})))
         self.saved_step = self.engine.global_steps
-        return trainer_state["epoch"], trainer_state["batch_in_epoch"]
+        return trainer_state["epoch"], trainer_state["batch_in_epoch"], trainer_state.get("trained_seconds", 0.0)
 
-    def save(self, epoch: int, batch_in_epoch: int) -> None:
+    def save(self, epoch: int, batch_in_epoch: int, trained_seconds: float) -> None:
         step = self.engine.global_steps
         if not parameters_finite_on_every_rank(self.engine.module):
             where = first_non_finite_tensor(self.engine.module)
             raise self.diverged(f"the parameters or BatchNorm statistics are NaN or inf after step {step}"
                                 + (f" ({where}, and maybe others)" if where else ""), epoch)
         save_checkpoint(self.engine, self.directory,
-                        {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **self.layout},
+                        {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                         "trained_seconds": trained_seconds, **self.layout},
                         {"task": self.task.state_outside_engine()}, self.stage.options.keep_checkpoints)
         self.task.write_export(self.stage.run_dir, epoch, step)
         self.saved_step = step
@@ -343,7 +370,7 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
         # ==== resume: the newest checkpoint that loads, else a fresh start ====
         checkpointer = Checkpointer(engine, task, stage, run_layout(o, world_size, loader.num_images))
         resumed_at = checkpointer.resume()
-        epoch, start_batch = resumed_at or (0, 0)
+        epoch, start_batch, trained_seconds = resumed_at or (0, 0, 0.0)
         if resumed_at is not None:
             if start_batch >= len(loader):
                 epoch, start_batch = epoch + 1, 0
@@ -355,9 +382,14 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
         stage.record(task, steps_per_epoch, rank)
         total_steps = o.epochs * steps_per_epoch
         stop_step = min(total_steps, o.max_steps) if o.max_steps > 0 else total_steps
+        # A time budget (engine.max_minutes) ends the run at the first step whose agreed training clock reaches it;
+        # minute marks (engine.checkpoint_every_minutes) checkpoint at the first step past each.
+        budget_s, mark_s = 60 * o.max_minutes, 60 * o.checkpoint_every_minutes
+        out_of_time = budget_s > 0 and trained_seconds >= budget_s
+        next_mark_s = (math.floor(trained_seconds / mark_s) + 1) * mark_s if mark_s else math.inf
         monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=o.print_every_steps,
                                   resumed_step=engine.global_steps if resumed_at is not None else None)
-        if resumed_at is not None and engine.global_steps >= stop_step:
+        if resumed_at is not None and (engine.global_steps >= stop_step or out_of_time):
             # A finished run rerun: its export is written again from the final checkpoint, so that a damaged
             # RUN_DIR/backbone.pth (a truncated copy, a full disk) is repaired rather than reported "done".
             task.write_export(run_dir, resumed_at[0], engine.global_steps)
@@ -365,8 +397,9 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
         # ==== training loop ====
         engine.train()
         step = engine.global_steps                       # optimizer steps taken
+        clock = TrainingClock(trained_seconds)
         try:
-            while epoch < o.epochs and step < stop_step:
+            while epoch < o.epochs and step < stop_step and not out_of_time:
                 waited, images, window_start = 0.0, 0, time.perf_counter()
                 batch_index = start_batch
                 # closing(): FFCV's decode thread is stopped and joined when the loop is left early
@@ -397,13 +430,19 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
                             raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps where the loop "
                                                f"counted {step}: gradient_accumulation_steps disagrees")
                         task.after_step(step)
+                        # One all-reduce: a stop signal on any process, and the training clock every process
+                        # stops and checkpoints by.
+                        with record_function("hardview/stop_signal_check"):
+                            signum, trained_seconds = stop.agree(device, clock.seconds())
+                        out_of_time = budget_s > 0 and trained_seconds >= budget_s
+                        last = step == stop_step or out_of_time
                         epoch_end = batch_index == len(loader)
-                        epoch_scalars = task.after_epoch(engine, epoch, step) if epoch_end or step == stop_step \
-                            else {}
+                        with clock.paused():
+                            epoch_scalars = task.after_epoch(engine, epoch, step) if epoch_end or last else {}
 
                         # ---- logging: the step's mean over its micro-batches and over the processes ----
                         with record_function("hardview/logging"):
-                            if step % o.log_every_steps == 0 or step == stop_step or epoch_scalars:
+                            if step % o.log_every_steps == 0 or last or epoch_scalars:
                                 elapsed = time.perf_counter() - window_start
                                 averaged = {**{name: total / o.grad_accum for name, total in step_sums.items()},
                                             **task.scalars()}
@@ -415,6 +454,9 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
                                                           "perf/images_per_s": images / max(elapsed, 1e-9),
                                                           "perf/data_wait_frac": waited / max(elapsed, 1e-9),
                                                           "perf/load_average_1min": os.getloadavg()[0],
+                                                          "perf/cpu_cores": os.cpu_count() or 0,
+                                                          "perf/cpu_threads": torch.get_num_threads(),
+                                                          "perf/training_seconds": trained_seconds,
                                                           **epoch_scalars})
                                 waited, images, window_start = 0.0, 0, time.perf_counter()
                         if result.images is not None and o.image_grid_every_steps and \
@@ -424,16 +466,17 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
 
                         # ---- checkpoint; stop on a signal ----
                         every = o.checkpoint_every_steps
-                        if (every and step % every == 0) or epoch_end or step == stop_step:
-                            with record_function("hardview/checkpoint"):
-                                checkpointer.save(epoch, batch_index)
-                        if step >= stop_step:           # the run is complete: a late signal changes nothing
+                        at_mark = trained_seconds >= next_mark_s
+                        if (every and step % every == 0) or (epoch_end and not mark_s) or last or at_mark:
+                            with record_function("hardview/checkpoint"), clock.paused():
+                                checkpointer.save(epoch, batch_index, trained_seconds)
+                        if at_mark:
+                            next_mark_s = (math.floor(trained_seconds / mark_s) + 1) * mark_s
+                        if last:                        # the run is complete: a late signal changes nothing
                             break
-                        with record_function("hardview/stop_signal_check"):
-                            signum = stop.requested_on_any_rank(device)
                         if signum:
                             if checkpointer.saved_step != step:
-                                checkpointer.save(epoch, batch_index)
+                                checkpointer.save(epoch, batch_index, trained_seconds)
                             raise StopRequested(f"stopped on a signal after step {step}, saved in "
                                                 f"{checkpointer.directory / f'step{step:08d}'}; rerun the same "
                                                 "command to resume", signum)

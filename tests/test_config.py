@@ -113,6 +113,8 @@ def test_every_shipped_finetune_config_loads(path):
     ("data.mean=[0.5]", "data.mean=[0.5] must be 3 finite numbers"),
     ("seed=-1", "seed=-1 must be a finite number >= 0"),
     ("method.temperature=0", "method.temperature=0.0 must be positive (a temperature"),
+    ("engine.max_minutes=-1", "engine.max_minutes=-1.0 must be a finite number >= 0 (minutes of training"),
+    ("engine.checkpoint_every_minutes=nan", "engine.checkpoint_every_minutes=nan must be a finite number >= 0"),
 ])
 def test_bad_values_are_one_line_naming_the_key(override, message):
     """Type errors used to print OmegaConf's four-line dump; std 0, a mean of the wrong length, a negative seed and

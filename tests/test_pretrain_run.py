@@ -311,6 +311,57 @@ def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warnin
     assert "time-limit or preemption warning" in result.stderr and "exiting now" not in result.stderr
 
 
+def trained_seconds_of_latest_checkpoint(run_dir: Path) -> float:
+    latest = run_dir / "checkpoints" / "latest"
+    if not latest.exists():
+        return 0.0
+    return json.loads((run_dir / "checkpoints" / latest.read_text().strip() / "trainer_state.json").read_text()
+                      )["trained_seconds"]
+
+
+@pytest.mark.slow
+def test_a_time_budget_ends_the_run_as_a_finished_one_and_a_killed_run_keeps_its_clock(digits, tmp_path):
+    """engine.max_minutes: the run stops after the first step whose training clock reaches the budget, and ends as a
+    finished run (exit 0, finished.json, the final export); engine.checkpoint_every_minutes: a checkpoint and an
+    export at the first step past each mark, none at the epoch ends (every 11 steps here). Killed and resumed, the run
+    goes on with the clock of its checkpoint: it trains the rest of its budget, not the whole of it again."""
+    run_dir = tmp_path / "run"
+    budget = ("engine.max_minutes=0.1", "engine.checkpoint_every_minutes=0.02", "optim.epochs=100",
+              "data.batch_size=128", "engine.image_grid_every_steps=0")       # 6 s, a mark every 1.2 s
+    first = start(pretrain_command(run_dir, digits, *budget))
+    wait_for(lambda: trained_seconds_of_latest_checkpoint(run_dir) >= 2.4, first)
+    kill_process_tree(first.pid)
+    first.wait()
+    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+    clock_at_kill = trained_seconds_of_latest_checkpoint(run_dir)
+    assert 2.4 <= clock_at_kill < 6 and not (run_dir / "finished.json").exists()
+
+    resumed = run(pretrain_command(run_dir, digits, *budget))
+    assert f"at step {killed_at} " in resumed.stdout
+    lines = logged(run_dir)
+    finished = json.loads((run_dir / "finished.json").read_text())["step"]
+    assert [line["step"] for line in lines] == list(range(1, finished + 1))
+    assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == finished
+    seconds = [line["perf/training_seconds"] for line in lines]
+    assert seconds[killed_at - 1] == clock_at_kill and seconds[killed_at] > clock_at_kill   # the clock went on
+    assert seconds == sorted(seconds) and seconds[-2] < 6 <= seconds[-1]     # it stopped at the budget, not after
+    for before, after in zip(lines[killed_at:], lines[killed_at + 1:]):       # a step counts no more than it took
+        assert after["perf/training_seconds"] - before["perf/training_seconds"] <= after["time"] - before["time"] + 0.01
+    assert {line["perf/cpu_cores"] for line in lines} == {os.cpu_count()}     # the machine it trained on
+    # The checkpoints are the marks' and the last step's: the first step at or past each multiple of 1.2 s.
+    marks, next_mark = [], 1.2
+    for line in lines:
+        if line["perf/training_seconds"] >= next_mark or line["step"] == finished:
+            marks.append(line["step"])
+            next_mark = (math.floor(line["perf/training_seconds"] / 1.2) + 1) * 1.2
+    exported = sorted(int(path.stem.removeprefix("backbone_step")) for path in (run_dir / "exports").glob("*.pth"))
+    assert exported == marks and len(marks) >= 4
+
+    # Rerun, the run is finished: nothing is trained again.
+    again = run(pretrain_command(run_dir, digits, *budget))
+    assert f"at step {finished} " in again.stdout and logged(run_dir) == lines
+
+
 @pytest.mark.slow
 def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(digits, tmp_path):
     run_dir = tmp_path / "run"
