@@ -125,7 +125,7 @@ PLAIN_VARIANTS = ("channels_last", "compile", "bf16")
 def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[float]:
     """Seconds per step of a plain PyTorch loop of the same method module and optimizer on the same batch; a
     `variant` of PLAIN_VARIANTS measures what the loop would gain from it: the backbone and the views in
-    channels-last memory, `torch.compile` of the backbone, or bf16 autocast."""
+    channels-last memory, `torch.compile` of the backbone, or bf16 autocast (as `engine.precision=bf16` gives)."""
     import random
 
     from pretrain.hvs import select_hard_views
@@ -148,7 +148,7 @@ def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[floa
             views = select_hard_views(method, method, batch.views, batch.boxes, batch.labels, method.train_counts,
                                       cfg.hvs.mode, cfg.hvs.selection_size, cfg.hvs.max_candidates,
                                       random.Random(step)).views
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16" or cfg.engine.precision == "bf16"):
             outputs = method(views)
         loss = method.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
         optimizer.zero_grad(set_to_none=True)
