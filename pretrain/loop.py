@@ -394,9 +394,10 @@ def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: 
         next_mark_s = (math.floor(trained_seconds / mark_s) + 1) * mark_s if mark_s else math.inf
         monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=o.print_every_steps,
                                   resumed_step=engine.global_steps if resumed_at is not None else None)
-        if resumed_at is not None and (engine.global_steps >= stop_step or out_of_time):
-            # A finished run rerun: its export is written again from the final checkpoint, so that a damaged
-            # RUN_DIR/backbone.pth (a truncated copy, a full disk) is repaired rather than reported "done".
+        if resumed_at is not None:
+            # The resumed checkpoint's export is written again: a finished run rerun repairs a damaged
+            # RUN_DIR/backbone.pth (a truncated copy, a full disk) rather than reporting "done", and a run killed
+            # between a checkpoint and its export gets the export every checkpoint has (an evaluation mark's).
             task.write_export(run_dir, resumed_at[0], engine.global_steps)
 
         # ==== training loop ====
