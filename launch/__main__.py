@@ -12,6 +12,9 @@
                random search, TPE, CMA-ES, in an Optuna study that a restarted search resumes
   hpo-replay   hyper-parameter searches (the balance paper's coordinate descent, Optuna's random, TPE, CMA-ES)
                replayed on a measured grid: AUC@10, AUC@20, n-95 and the mean best-so-far curves
+  benchmark    a benchmark file's rows as jobs (pretraining runs with a budget of minutes or steps, evaluated at
+               marks along the way; cross-entropy; raw pixels and random init): the table and the accuracy-against-
+               minutes plot
 
 Each command prints the job id, its log files and the run directory; every job submitted for a run is
 recorded in RUN_DIR/jobs.jsonl (what `status` reads). Where a job runs comes from --preset (a YAML file of
@@ -319,12 +322,23 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=hpo_replay.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hpo_replay.add_arguments(replay)
     replay.set_defaults(handler=hpo_replay.run_replay)
+
+    from launch import benchmark
+    bench = commands.add_parser("benchmark", help="a benchmark file's rows as jobs: the table and the plot of accuracy "
+                                                  "against minutes of training",
+                                description=benchmark.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="example:\n  python -m launch benchmark configs/benchmarks/digits.yaml "
+                                       "--cluster local --out-dir runs/benchmark_digits")
+    benchmark.add_arguments(bench)
+    add_cluster_arguments(bench)
+    bench.set_defaults(handler=benchmark.run_benchmark)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)      # what a table says made it
     if unknown and not getattr(args, "passes_unknown", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

@@ -174,19 +174,20 @@ class SubmittedBefore:
         return None
 
 
-def still_running(run_dir: Path) -> SubmittedBefore | None:
-    """The trial's last job, when it is still pending or running."""
+def still_running(run_dir: Path, kind: str = "trial") -> SubmittedBefore | None:
+    """The run's last job of this kind (jobs.jsonl's), when it is still pending or running."""
     from launch.status import job_state, latest_job_of_each_stage
 
     for record in latest_job_of_each_stage(run_dir):
-        if record["kind"] == "trial" and job_state(record, run_dir) in ACTIVE_STATES:
+        if record["kind"] == kind and job_state(record, run_dir) in ACTIVE_STATES:
             return SubmittedBefore(record, run_dir)
     return None
 
 
 @dataclass
 class TrialJobs:
-    """Runs trials as launch jobs, at most `parallel` at once, each in SEARCH_DIR/trials/NAME."""
+    """Runs trials as launch jobs, at most `parallel` at once, each in SEARCH_DIR/trials/NAME. `kind` names them in
+    jobs.jsonl and in the messages (a benchmark's rows are `row`: launch/benchmark.py)."""
 
     options: ClusterOptions
     search_dir: Path
@@ -197,6 +198,7 @@ class TrialJobs:
     parallel: int = 1
     keep_checkpoints: bool = False
     poll_seconds: ClassVar[float] = 1.0          # how often running jobs are checked
+    kind: ClassVar[str] = "trial"
 
     def run_dir(self, name: str) -> Path:
         return self.search_dir / "trials" / name
@@ -235,17 +237,17 @@ class TrialJobs:
 
     def submit_trial(self, name: str, trial_overrides: list[str]):
         """Submit one trial's job (a submitit job: done(), exception(), paths.stderr)."""
-        job = submit(self.options, self.run_dir(name), "trial", self.steps(name, trial_overrides), announce=False)
-        print(f"trial {name}: job {job.job_id} ({self.options.cluster}), log {job.paths.stderr}", flush=True)
+        job = submit(self.options, self.run_dir(name), self.kind, self.steps(name, trial_overrides), announce=False)
+        print(f"{self.kind} {name}: job {job.job_id} ({self.options.cluster}), log {job.paths.stderr}", flush=True)
         return job
 
     def submit_array(self, trials: list[tuple[object, str, list[str]]]) -> list:
         """Submit trials known in advance (a grid's points) as one Slurm job array, `parallel` running at once."""
-        jobs = submit_array(self.options, self.search_dir / "jobs", self.search_dir.name, "trial",
+        jobs = submit_array(self.options, self.search_dir / "jobs", self.search_dir.name, self.kind,
                             [(self.run_dir(name), self.steps(name, overrides)) for _, name, overrides in trials],
                             parallel=self.parallel, announce=False)
         for (_, name, _), job in zip(trials, jobs):
-            print(f"trial {name}: job {job.job_id} (slurm array), log {job.paths.stderr}", flush=True)
+            print(f"{self.kind} {name}: job {job.job_id} (slurm array), log {job.paths.stderr}", flush=True)
         return jobs
 
     def run(self, trials: Iterator[tuple[object, str, list[str]]],
@@ -267,9 +269,10 @@ class TrialJobs:
             if value is not None:
                 done(tag, self.run_dir(name), value)
                 return True
-            job = still_running(self.run_dir(name))
+            job = still_running(self.run_dir(name), self.kind)
             if job is not None:
-                print(f"trial {name}: its job {job.job_id} from before is still running; waiting for it", flush=True)
+                print(f"{self.kind} {name}: its job {job.job_id} from before is still running; waiting for it",
+                      flush=True)
                 running[job.job_id] = (tag, self.run_dir(name), job)
             return job is not None
 
@@ -298,9 +301,9 @@ class TrialJobs:
                 if job.done():
                     del running[job_id]
                     value = self.objective.read(run_dir) if job.exception() is None else None
-                    print(f"trial {run_dir.name} failed: see {job.paths.stderr}" if value is None else
-                          f"trial {run_dir.name}: {self.objective.protocol} {self.objective.field} = {value:.4f}",
-                          flush=True)
+                    print(f"{self.kind} {run_dir.name} failed: see {job.paths.stderr}" if value is None else
+                          f"{self.kind} {run_dir.name}: {self.objective.protocol} {self.objective.field} = "
+                          f"{value:.4f}", flush=True)
                     done(tag, run_dir, value)
 
 

@@ -1,0 +1,164 @@
+"""`python -m launch benchmark FILE` (launch/benchmark.py): a tiny benchmark file run end to end as real local jobs on
+the embedded digits (a row killed with its benchmark and resumed; the table read back from the runs' results), the
+seeds' curves averaged mark by mark, and a file's bad values refused by name before anything runs."""
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.benchmark import FINAL, Row, Run, check_same_benchmark, load_benchmark, mark_keys, row_curve
+from launch.cluster import LaunchError
+from tests import forked_runs
+from tests.conftest import wait_for
+from tests.run_helpers import ROOT, kill_process_tree
+
+CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
+RECIPE = str(ROOT / "configs/transfer/finetune_digits.yaml")
+# 8 px views and evaluation: the same jobs as the shipped files', each export scored in about a second
+SMALL = ["data.batch_size=32", "data.num_workers=1", "data.views.0.size=8", "model.proj_hidden_dim=64",
+         "model.proj_out_dim=32", "engine.image_grid_every_steps=0"]
+
+
+def write_benchmark(path: Path, rows: list[dict], references: dict | None = None) -> Path:
+    path.write_text(yaml.safe_dump({"name": "tiny", **({"references": references} if references else {}),
+                                    "rows": rows}))
+    return path
+
+
+@pytest.mark.slow
+def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their_results(digits, tmp_path):
+    data = [f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}"]
+    file = write_benchmark(tmp_path / "tiny.yaml", references={"config": CONFIG, "image_sizes": [8],
+                                                               "overrides": [*data, "data.num_workers=1"]}, rows=[
+        {"name": "simclr", "label": "SimCLR", "config": CONFIG, "overrides": [*data, *SMALL], "steps": 6, "marks": 6},
+        {"name": "cross_entropy", "config": CONFIG, "overrides": [*data, *SMALL], "supervised": RECIPE,
+         "supervised_overrides": ["data.label_fraction=100%", "data.batch_size=128"], "steps": 6, "marks": 6}])
+    out = tmp_path / "bench"
+    command = ["benchmark", str(file), "--cluster", "local", "--out-dir", str(out)]
+    first = forked_runs.start("launch", command)
+    simclr = out / "rows" / "simclr_seed0"
+    wait_for(lambda: (simclr / "checkpoints" / "latest").exists(), first, "the SimCLR row's first checkpoint")
+    kill_process_tree(first.pid)                  # the benchmark and the job it runs, as a lost session
+    first.wait()
+    job = json.loads((simclr / "jobs.jsonl").read_text())["job_id"]     # a local job's id is its process's
+    for _ in range(600):                          # gone, not dying: a job alive when the benchmark restarts is awaited
+        if not Path(f"/proc/{job}").exists():
+            break
+        time.sleep(0.05)
+    killed_at = int((simclr / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert killed_at < 6 and not (simclr / "finished.json").exists()
+
+    second = forked_runs.run("launch", command, timeout=240)
+    jobs = {row: [json.loads(line) for line in (out / "rows" / row / "jobs.jsonl").read_text().splitlines()]
+            for row in ("references_8px_seed0", "simclr_seed0", "cross_entropy_seed0")}
+    assert [len(submitted) for submitted in jobs.values()] == [1, 2, 1]    # the finished reference was read back
+    assert f"resumed {simclr} at step {killed_at} " in Path(jobs["simclr_seed0"][1]["stdout"]).read_text()
+    assert not (simclr / "checkpoints").exists()                         # a scored run keeps its results, not these
+
+    # The table holds what the runs' evaluations wrote.
+    rows = {entry["label"]: entry for entry in json.loads((out / "table.json").read_text())["rows"]}
+    result = {protocol: json.loads((simclr / "eval" / f"{protocol}_step0000006.json").read_text())["top1"]
+              for protocol in ("knn", "linear")}
+    assert rows["SimCLR"]["knn"]["values"] == [round(100 * result["knn"]["20"], 2)]
+    assert rows["SimCLR"]["linear"]["values"] == [round(100 * result["linear"], 2)]
+    assert [point["step"] for point in rows["SimCLR"]["runs"][0]["points"]] == [1, 2, 3, 4, 5, 6]   # the 6 marks
+    assert len(rows["SimCLR"]["curve"]["knn"]) == 6 and rows["SimCLR"]["cores"] == os.cpu_count()
+    classifier = json.loads((out / "rows/cross_entropy_seed0/eval/finetune_100pct_random_step0000001.json"
+                             ).read_text())["top1"]
+    assert rows["cross_entropy (classifier top-1)"]["linear"]["values"] == [round(100 * classifier, 2)]
+    baselines = json.loads((out / "rows/references_8px_seed0/eval/baselines_step0000000.json").read_text())
+    assert rows["raw pixels, 8 px"]["knn"]["values"] == [round(100 * baselines["raw_pixels"]["knn"], 2)]
+    assert rows["random init, 8 px"]["linear"]["values"] == [round(100 * baselines["random_init"]["linear"], 2)]
+    table = (out / "table.md").read_text()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert f"Made by `python -m launch {' '.join(command)}` at commit {commit}" in table
+    assert f"| SimCLR | 6 steps, 6 marks | 0 | {100 * result['knn']['20']:.2f}% | {100 * result['linear']:.2f}% |" in table
+    assert table.strip() in second.stdout and (out / "curves.png").stat().st_size > 0
+
+
+def points(*minutes: float, epochs: list[int] | None = None) -> list[dict]:
+    return [{"step": 10 * (i + 1), "minutes": m, "knn": 0.5 + m / 10, "linear": 0.6 + m / 10,
+             **({"epoch": epochs[i]} if epochs else {})} for i, m in enumerate(minutes)]
+
+
+def test_the_seeds_curves_are_averaged_mark_by_mark():
+    """A minutes budget's mark i is the first export at or past i x minutes / marks (where the loop checkpointed); an
+    export a signal added between marks is in its run's points, not in the row's curve; the last point is the
+    budget's, wherever it fell. A steps budget's marks are steps, a supervised run's epochs."""
+    row = Row(name="r", label="r", kind="pretrain", config="c", minutes=1.0, marks=4)
+    first, second = points(0.252, 0.4, 0.5, 0.76, 1.002), points(0.26, 0.51, 0.75, 1.0)
+    for run in (first, second):
+        mark_keys(row, run)
+    assert [p["key"] for p in first] == [1, None, 2, 3, FINAL] and [p["key"] for p in second] == [1, 2, 3, FINAL]
+    curve = row_curve([Run(0, "a", first), Run(1, "b", second)], "knn")
+    assert [p["minutes"] for p in curve] == [0.256, 0.505, 0.755, 1.001]
+    assert curve[0]["values"] == [52.52, 52.6] and curve[0]["mean"] == 52.56 and curve[0]["std"] == 0.06
+    stepped = points(0.1, 0.2, 0.3)
+    mark_keys(Row(name="s", label="s", kind="pretrain", config="c", steps=30, marks=3), stepped)
+    assert [p["key"] for p in stepped] == [10, 20, FINAL]
+    supervised = points(0.3, 0.6, 0.7, epochs=[0, 1, 2])
+    mark_keys(Row(name="x", label="x", kind="supervised", config="c", minutes=1.0), supervised)
+    assert [p["key"] for p in supervised] == [0, 1, FINAL] and "epoch" not in supervised[0]
+
+
+ROW = {"name": "simclr", "config": CONFIG, "minutes": 1, "marks": 6}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"marks": 3}, "rows[0] (simclr): marks 3 must be an integer >= 6 (evaluations along the run"),
+    ({"steps": 100}, "rows[0] (simclr): give one budget, minutes: M (of training) or steps: N, not minutes and steps"),
+    ({"minutes": None}, "give one budget, minutes: M (of training) or steps: N, not none"),
+    ({"minutes": -1}, "rows[0] (simclr): minutes -1 must be a positive number"),
+    ({"minutes": None, "steps": 4}, "marks 6 must be an integer >= 6 (evaluations along the run: the curve's points) "
+                                    "and at most steps (4)"),
+    ({"mark": 6}, "rows[0] (simclr): unknown key 'mark'; did you mean 'marks'?"),
+    ({"config": "configs/pretrain/nope.yaml"}, "config 'configs/pretrain/nope.yaml' is not a file"),
+    ({"overrides": ["optim.lr=-1"]}, "rows[0] (simclr): optim.lr=-1.0 must be a finite number > 0"),
+    ({"overrides": "optim.lr=1"}, "overrides 'optim.lr=1' must be a list of key=value overrides"),
+    ({"seeds": [0, 0]}, "seeds [0, 0] must be a list of distinct integers >= 0"),
+    ({"name": "a/b"}, "rows[0]: name 'a/b' must be a folder name"),
+    ({"supervised": RECIPE, "supervised_overrides": ["optim.lr=0"]}, "optim.lr=0.0 must be a finite number > 0"),
+    ({"supervised_overrides": ["optim.lr=1"]}, "supervised_overrides without supervised: RECIPE"),
+])
+def test_a_bad_row_is_refused_naming_the_file_the_row_and_the_value(tmp_path, change, message):
+    file = write_benchmark(tmp_path / "bad.yaml", [{key: value for key, value in {**ROW, **change}.items()
+                                                    if value is not None}])
+    with pytest.raises(LaunchError) as refused:
+        load_benchmark(str(file))
+    assert str(file) in str(refused.value) and message in str(refused.value), refused.value
+
+
+def test_a_bad_file_or_reference_is_refused_and_the_command_writes_nothing(tmp_path, capsys):
+    from launch.__main__ import main
+
+    with pytest.raises(LaunchError, match="two rows are named simclr"):
+        load_benchmark(str(write_benchmark(tmp_path / "twice.yaml", [ROW, ROW])))
+    with pytest.raises(LaunchError, match=r"image_sizes \[0\] must be a list of positive integers"):
+        load_benchmark(str(write_benchmark(tmp_path / "ref.yaml", [ROW], {"config": CONFIG, "image_sizes": [0]})))
+    with pytest.raises(LaunchError, match="must be a mapping with a non-empty list `rows`"):
+        load_benchmark(str(write_benchmark(tmp_path / "empty.yaml", [])))
+    out = tmp_path / "out"
+    missing = write_benchmark(tmp_path / "missing.yaml", [{**ROW, "overrides": ["data.train=nowhere.beton"]}])
+    assert main(["benchmark", str(missing), "--cluster", "local", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "row simclr: data.train=nowhere.beton does not exist" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_row_found_again_with_other_settings_is_refused_and_new_seeds_are_welcome(tmp_path):
+    row = Row(name="simclr", label="SimCLR", kind="pretrain", config=CONFIG, minutes=1.0, marks=6)
+    check_same_benchmark(tmp_path, [row])
+    check_same_benchmark(tmp_path, [Row(**{**row.__dict__, "seeds": (0, 1, 2)})])
+    with pytest.raises(LaunchError, match=r"holds row simclr with other settings \(minutes: 1.0 there\)"):
+        check_same_benchmark(tmp_path, [Row(**{**row.__dict__, "minutes": 2.0})])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs/benchmarks").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_benchmark_file_loads_with_its_references_and_at_least_6_marks_a_row(path):
+    rows = load_benchmark(str(path))
+    assert {row.kind for row in rows} == {"reference", "pretrain", "supervised"}
+    assert all(row.marks >= 6 for row in rows if row.kind != "reference")
