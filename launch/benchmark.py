@@ -505,7 +505,7 @@ def plot(entries: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, panels = plt.subplots(1, 2, figsize=(15, 5.5))
+    figure, panels = plt.subplots(1, 2, figsize=(14, 5), layout="constrained")
     sizes = sorted({entry["row"] for entry in entries if entry["kind"] in ("raw_pixels", "random_init")})
     for axes, measure, name in zip(panels, ("knn", "linear"), ("k-NN top-1 (k = 20)", "linear probe top-1")):
         for entry in entries:
@@ -527,9 +527,8 @@ def plot(entries: list[dict], path: Path, title: str) -> None:
         axes.set_ylabel(f"{name}, %")
         axes.grid(alpha=0.3)
     handles, labels = panels[1].get_legend_handles_labels()
-    figure.legend(handles, labels, fontsize=8, loc="center right")
+    figure.legend(handles, labels, fontsize=8, loc="outside right upper")
     figure.suptitle(title, fontsize=9)
-    figure.tight_layout(rect=(0, 0, 0.78, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
