@@ -20,21 +20,26 @@ def test_threads_follow_the_affinity_slurm_and_the_ranks_sharing_the_node():
     assert usable_cpus({"LOCAL_WORLD_SIZE": "4"}, {0, 1}, 2) == 1            # at least one
 
 
-def test_a_training_process_computes_with_its_share_unless_told():
+def test_a_training_process_computes_with_its_share_unless_told(monkeypatch):
     """torch's default is every core of the machine in every process; OMP_NUM_THREADS (torchrun sets 1 for several
     processes) and engine.threads win over the computed share."""
-    script = ("import torch\nfrom pretrain.cpu_threads import configure_threads\n"
-              "print(configure_threads(0), configure_threads(3), torch.get_num_threads())")
-    cores = len(os.sched_getaffinity(0))
+    import torch
 
-    def threads(**environ) -> str:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
-        return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**env, **environ}, capture_output=True,
-                              text=True, check=True).stdout.split()
+    from pretrain.cpu_threads import configure_threads
 
-    assert threads() == [str(cores), "3", "3"]
-    assert threads(OMP_NUM_THREADS="1") == ["1", "3", "3"]
-    assert threads(LOCAL_WORLD_SIZE=str(cores)) == ["1", "3", "3"]
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    try:
+        assert (configure_threads(0), torch.get_num_threads()) == (cores, cores)
+        assert (configure_threads(3), torch.get_num_threads()) == (3, 3)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert (configure_threads(0), configure_threads(3)) == (1, 3)
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+        assert configure_threads(0) == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_every_command_sets_openmp_to_sleep_at_barriers_before_torch_loads():
@@ -48,7 +53,7 @@ def test_every_command_sets_openmp_to_sleep_at_barriers_before_torch_loads():
               "sys.meta_path.insert(0, SeeTorchLoad())\n"
               "import {package}\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for package in ("pretrain", "eval", "transfer", "launch", "eval.__main__"):
+    for package in ("eval.__main__", "transfer", "launch"):       # each imports pretrain first
         result = subprocess.run([sys.executable, "-c", script.format(package=package)], cwd=ROOT, env=env,
                                 capture_output=True, text=True, check=True)
         assert result.stdout.split()[:2] == ["PASSIVE", "False"], (package, result.stdout)
