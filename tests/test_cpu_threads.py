@@ -60,3 +60,24 @@ def test_every_command_sets_openmp_to_sleep_at_barriers_before_torch_loads():
     kept = subprocess.run([sys.executable, "-c", script.format(package="eval")], cwd=ROOT, capture_output=True,
                           text=True, check=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
     assert kept.stdout.split()[0] == "ACTIVE"
+
+
+def test_the_ffcv_loader_leaves_torch_threads_as_the_training_set_them(digits):
+    """FFCV 1.0.2 set torch's (global) thread count to its decode workers' when it was imported, when a loader was
+    built and, from its own thread, at every epoch: the fine-tuning recipes (data.num_workers 1) trained on one
+    thread whatever engine.threads said."""
+    import numpy as np
+    import torch
+
+    from pretrain.data.ffcv_loader import build_ffcv_loader, ffcv_batches
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        loader = build_ffcv_loader(digits / "train.beton", 32, 64, 1, drop_last=True)
+        assert torch.get_num_threads() == 3
+        for _ in ffcv_batches(loader, np.arange(256)):
+            pass
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

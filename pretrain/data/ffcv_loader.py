@@ -20,6 +20,7 @@ import torch
 from pretrain.data.numba_cache import cache_numba_typed_dict
 
 cache_numba_typed_dict()    # before FFCV's import compiles its typed Dict (5 s in every process otherwise)
+_torch_threads = torch.get_num_threads()     # FFCV's import sets them to 1 (Compiler.set_num_threads(1)): put back below
 
 from ffcv.fields.basics import IntDecoder  # noqa: E402
 from ffcv.fields.rgb_image import IMAGE_MODES, SimpleRGBImageDecoder  # noqa: E402
@@ -32,6 +33,21 @@ from ffcv.transforms import ToTensor  # noqa: E402
 
 from pretrain.data import DatasetError
 from pretrain.data.writer import DEFAULT_MAX_SIDE, FIELD_NAMES
+
+
+def _set_decode_threads(cls, n: int) -> None:
+    """FFCV 1.0.2's `Compiler.set_num_threads`, without its `torch.set_num_threads(n)`: FFCV calls it when a Loader is
+    built and, from its own thread, at every epoch's start, and torch's thread count is global, so the training step
+    computed with `data.num_workers` threads (1 in the fine-tuning recipes) whatever `engine.threads` said. The decode
+    threads are numba's, set here as FFCV sets them; torch's stay the training loop's (pretrain/cpu_threads.py)."""
+    import numba
+
+    cls.num_threads = n if n >= 1 else os.cpu_count()
+    numba.set_num_threads(cls.num_threads)
+
+
+Compiler.set_num_threads = classmethod(_set_decode_threads)
+torch.set_num_threads(_torch_threads)
 
 FFCV_BATCHES_IN_FLIGHT = 3 + 2      # ffcv.Loader's default batches_ahead (3), plus the 2 slots its iterator adds
 
