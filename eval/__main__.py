@@ -27,8 +27,8 @@ from eval.knn import weighted_knn
 from eval.linear import train_linear_probe, train_linear_probe_on_views
 from eval.results import RESULTS_DIR, check_writable, feature_cache_path, write_results
 from eval.retrieval import clustering_nmi, retrieval_metrics
-from pretrain.argument_types import CommandLineParser, non_negative_int, number, positive_float, positive_int
-from pretrain.atomic_write import write_atomically
+from pretrain.runtime.argument_types import CommandLineParser, non_negative_int, number, positive_float, positive_int
+from pretrain.runtime.atomic_write import write_atomically
 
 # ============ inputs: checkpoint, data, features ============
 
@@ -111,7 +111,7 @@ class EvaluationInputs:
     def write_cache(self, cache: dict[str, Any]) -> None:
         """Save the cache atomically (a full disk leaves no half-written file); a failed write is one line naming the
         file (torch reports a full disk as a RuntimeError, "file write failed")."""
-        from pretrain.checkpoint import describe_write_error
+        from pretrain.runtime.checkpoint import describe_write_error
 
         try:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from eval.table import TableInputError
     from pretrain.data import DatasetError
-    from pretrain.exit_status import UNWRITABLE, one_line
+    from pretrain.runtime.exit_status import UNWRITABLE, one_line
 
     try:
         status = args.handler(args)

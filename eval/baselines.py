@@ -21,7 +21,7 @@ from eval.features import extract_features, resolve_beton_path, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
 from eval.results import RESULTS_DIR, check_writable, write_result
-from pretrain.argument_types import positive_int
+from pretrain.runtime.argument_types import positive_int
 
 KNN_K, KNN_TEMPERATURE = 20, 0.07
 
@@ -69,7 +69,7 @@ def add_arguments(parser) -> None:
 
 def run_baselines(args) -> int:
     from pretrain.config import load_config
-    from pretrain.config_error import ConfigError
+    from pretrain.runtime.config_error import ConfigError
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -174,7 +174,7 @@ def load_backbone_export(path: str | Path, image_size: int | None = None) -> Bac
 
 def load_embedding_head(entry: Any, path: Path) -> nn.Module:
     """The export's `embedding_head` ({in_dim, hidden_dim, out_dim, num_layers, state_dict}, and last_bn, hidden_bn,
-    as `pretrain.checkpoint.export_backbone` writes it) rebuilt with `pretrain.models.mlp`, in eval mode. Exports
+    as `pretrain.export.export_backbone` writes it) rebuilt with `pretrain.models.mlp`, in eval mode. Exports
     written before last_bn / hidden_bn were recorded had neither a last BatchNorm nor hidden layers without one."""
     from pretrain.models import mlp
 

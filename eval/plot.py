@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eval.features import EvaluationInputError
 from eval.results import RESULTS_DIR, check_writable
-from pretrain.argument_types import positive_int
+from pretrain.runtime.argument_types import positive_int
 
 KNN_RESULT = re.compile(r"knn_step(\d{7})\.json")
 

@@ -15,7 +15,7 @@ evaluated on other data than its run's own (`--train` / `--val`), by `_on_{val s
 again (a re-run, or an attempt that crashed before its JSON) without duplicating its scalars in TensorBoard:
 the event file named after the result is replaced, not added to.
 
-This module imports nothing of the project but `pretrain.atomic_write`, and TensorBoard only when it writes.
+This module imports nothing of the project but `pretrain.runtime.atomic_write`, and TensorBoard only when it writes.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from pretrain.atomic_write import write_text_atomically
+from pretrain.runtime.atomic_write import write_text_atomically
 
 RESULTS_DIR = "eval"       # RUN_DIR/eval: the results (and the feature caches of `python -m eval`)
 TENSORBOARD_DIR = "tb"     # RUN_DIR/tb: the training curves, and the results' scalars beside them

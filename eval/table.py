@@ -94,7 +94,7 @@ def run_table(args: argparse.Namespace) -> int:
     table = markdown(rows)
     print(table)
     if args.out:
-        from pretrain.atomic_write import write_text_atomically
+        from pretrain.runtime.atomic_write import write_text_atomically
 
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eval.results import feature_cache_path, result_path
-from pretrain.graceful_stop import PENDING_STOP_SIGNAL
-from pretrain.argument_types import number
-from pretrain.checkpoint import EXPORTS, export_path, published_export_steps
+from pretrain.export import EXPORTS, export_path, published_export_steps
+from pretrain.runtime.argument_types import number
+from pretrain.runtime.graceful_stop import PENDING_STOP_SIGNAL
 
 PROTOCOLS = ("knn", "linear", "retrieval")   # the sub-commands of `python -m eval` the watcher can run
 FORWARDED = ("train", "val", "image_size", "crop_fraction", "device", "num_workers", "feature_batch_size")
@@ -147,7 +147,7 @@ def raise_stop(signum: int, frame) -> None:
 def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> int:
     """Follow `args.run` (see the module docstring); `evaluate(argv)` runs one `python -m eval` protocol command."""
     from eval.features import EvaluationInputError
-    from pretrain.run_lock import RunDirectoryInUse, RunLock
+    from pretrain.runtime.run_lock import RunDirectoryInUse, RunLock
 
     run_dir = Path(args.run)
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]

@@ -31,7 +31,7 @@ from launch.cluster import (ClusterOptions, LaunchError, add_cluster_arguments, 
                             submit_array)
 from launch.jobs import Step
 from launch.sweep import run_name, sweep_combinations
-from pretrain.argument_types import CommandLineParser, number, positive_float, positive_int
+from pretrain.runtime.argument_types import CommandLineParser, number, positive_float, positive_int
 
 
 # ============ pretrain (and sweeps) ============

@@ -67,7 +67,7 @@ import yaml
 from launch.cluster import LaunchError
 from launch.hpo import TrialJobs
 from launch.jobs import Step
-from pretrain.argument_types import output_folder, positive_int
+from pretrain.runtime.argument_types import output_folder, positive_int
 
 MIN_MARKS = 6                   # the "enough points to see the shape"
 ROW_KEYS = ("name", "label", "config", "overrides", "seeds", "minutes", "steps", "marks", "supervised",
@@ -553,7 +553,7 @@ def provenance(argv: list[str]) -> tuple[str, str]:
 
 def run_benchmark(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs) -> int:
     from launch.cluster import cluster_options
-    from pretrain.atomic_write import write_text_atomically
+    from pretrain.runtime.atomic_write import write_text_atomically
 
     options = cluster_options(args)
     rows = load_benchmark(args.file)

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from launch.jobs import StageJob, Step
-from pretrain.argument_types import number, parse_number
+from pretrain.runtime.argument_types import number, parse_number
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "launch"
 
@@ -64,7 +64,7 @@ class ClusterOptions:
 
 
 # The numeric options' kind and range, written once: the flags' argparse types and a preset's values are both
-# checked against them (pretrain/argument_types.py: finite, in range, one line naming the value).
+# checked against them (pretrain/runtime/argument_types.py: finite, in range, one line naming the value).
 NUMBER_RANGES = {"nodes": (int, {"at_least": 1}), "gpus_per_node": (int, {"at_least": 0}),
                  "tasks_per_node": (int, {"at_least": 1}), "cpus_per_task": (int, {"at_least": 1}),
                  "mem_gb": (float, {"above": 0}), "max_requeues": (int, {"at_least": 0}),

@@ -24,8 +24,8 @@ from eval.baselines import evaluate_encoder, random_init_backbone
 from eval.features import load_backbone_export, resolve_device
 from pretrain.config import load_config
 from pretrain.data.digits import write_digits
+from pretrain.runtime.argument_types import CommandLineParser
 from transfer.digit_scenes import write_moved_digits
-from pretrain.argument_types import CommandLineParser
 
 CONFIG = "configs/pretrain/simclr_digits.yaml"
 FINETUNE_CONFIG = "configs/transfer/finetune_digits.yaml"

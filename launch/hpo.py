@@ -39,8 +39,8 @@ from launch.cluster import ClusterOptions, LaunchError, submit, submit_array
 from launch.coordinate_descent import PAPER_DIRECTIONS, coordinate_descent
 from launch.jobs import Step
 from launch.sweep import run_name
-from pretrain.argument_types import (non_negative_int, number, number_list, output_folder, parse_number,
-                                     positive_int)
+from pretrain.runtime.argument_types import (non_negative_int, number, number_list, output_folder, parse_number,
+                                             positive_int)
 
 SEARCH_METHODS = ("cd", "random", "tpe", "cmaes")
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from launch.coordinate_descent import (PAPER_DIRECTIONS, area_under_curve, best_so_far, coordinate_descent,
                                        trials_to_reach)
-from pretrain.argument_types import non_negative_int, number, positive_int
+from pretrain.runtime.argument_types import non_negative_int, number, positive_int
 
 OPTUNA_SAMPLERS = ("random", "tpe", "cmaes")
 METHODS = ("cd", *OPTUNA_SAMPLERS)

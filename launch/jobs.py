@@ -9,7 +9,7 @@ single-process step (an evaluation) runs in global rank 0 alone, as a world of o
 put back after it; the other tasks wait for its exit status (a file in the job folder) before the next step.
 
 Time limit and preemption (submitit's sbatch asks for SIGUSR2 `signal_delay_s` before the time limit):
-- every task's training loop takes SIGUSR2 as a stop request (`pretrain.graceful_stop`): the processes agree on
+- every task's training loop takes SIGUSR2 as a stop request (`pretrain.runtime.graceful_stop`): the processes agree on
   it at the next optimizer step, save a checkpoint of that step together, and return 128 + SIGUSR2;
 - then global rank 0 requeues the job (`scontrol requeue`; locally, submitit's local controller restarts the
   tasks), unless it reached its time limit `max_requeues` times already or made no progress in this allocation;
@@ -25,7 +25,7 @@ Time limit and preemption (submitit's sbatch asks for SIGUSR2 `signal_delay_s` b
   requeues the job unchanged.
 - SIGTERM (`scancel`, `scontrol requeue`, preemption after its grace time) stops the stage the same way with a
   checkpoint, without a requeue by the job: Slurm requeues a preempted or requeued job itself, and a
-  cancelled job stays cancelled. A checkpoint cut short by SIGKILL is never loaded (pretrain.checkpoint).
+  cancelled job stays cancelled. A checkpoint cut short by SIGKILL is never loaded (pretrain.runtime.checkpoint).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from pathlib import Path
 STOPPED_FOR_TIME_LIMIT = 128 + signal.SIGUSR2
 STAGES = {"pretrain": "pretrain.__main__", "eval": "eval.__main__", "transfer": "transfer.__main__"}
 LOCAL_REQUEUE_EXIT = 144          # submitit's local controller restarts a job whose task exits with this
-PENDING_STOP_SIGNAL = "HARDVIEW_PENDING_STOP_SIGNAL"    # read by pretrain.graceful_stop.GracefulStop
+PENDING_STOP_SIGNAL = "HARDVIEW_PENDING_STOP_SIGNAL"    # read by pretrain.runtime.graceful_stop.GracefulStop
 
 
 def rendezvous_port(job_id: str, restart_count: int) -> int:
@@ -77,7 +77,7 @@ def restart_count(job_env, folder: Path) -> int:
 
 
 def hold_stop_signals() -> None:
-    """Until the stage's training loop takes over signals (pretrain.graceful_stop), record a SIGUSR2 (time-limit
+    """Until the stage's training loop takes over signals (pretrain.runtime.graceful_stop), record a SIGUSR2 (time-limit
     warning) or SIGTERM in PENDING_STOP_SIGNAL instead of letting submitit requeue a job that has not started
     or let it die: the stage then stops, with a checkpoint, after its first optimizer step."""
     def record(signum: int, frame) -> None:
@@ -193,7 +193,7 @@ class StageJob:
         RUN_DIR/detection/*/), by directory; {} without a run directory. A fine-tuning job's progress is its own."""
         if self.run_dir is None:
             return {}
-        from pretrain.checkpoint import complete_checkpoints
+        from pretrain.runtime.checkpoint import complete_checkpoints
 
         run_dir = Path(self.run_dir)
         steps = {}

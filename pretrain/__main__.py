@@ -16,8 +16,8 @@ import argparse
 import sys
 
 from pretrain.config import ConfigError, load_config
-from pretrain.memory_reuse import reuse_freed_memory
-from pretrain.argument_types import CommandLineParser
+from pretrain.runtime.argument_types import CommandLineParser
+from pretrain.runtime.memory_reuse import reuse_freed_memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,14 +27,15 @@ def main(argv: list[str] | None = None) -> int:
                "  python -m pretrain --config configs/pretrain/simclr_digits.yaml hvs.enabled=true\n"
                "  torchrun --nproc-per-node 2 -m pretrain --config configs/pretrain/simsiam_digits.yaml "
                "engine.zero_stage=2\n"
-               "Every key and its default is in pretrain/config.py.")
+               "Every key and its default is in pretrain/config.py (optim.* and engine.*: pretrain/runtime/config.py).")
     parser.add_argument("--config", help="YAML file under configs/pretrain/ (omit to use the schema defaults)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     # The deepspeed launcher passes --local_rank; the process group reads LOCAL_RANK from the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.epochs=5")
     args = parser.parse_args(argv)
-    reuse_freed_memory()           # with HARDVIEW_MALLOC=reuse: freed memory kept for the next batch (pretrain/memory_reuse.py)
+    # with HARDVIEW_MALLOC=reuse: freed memory kept for the next batch (pretrain/runtime/memory_reuse.py)
+    reuse_freed_memory()
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as error:
@@ -44,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(cfg))
         return 0
-    from pretrain.checkpoint import CheckpointError
     from pretrain.data import DatasetError
-    from pretrain.engine import train
-    from pretrain.exit_status import exit_status_of
-    from pretrain.monitor import MetricsFileError
-    from pretrain.run_lock import RunDirectoryInUse
+    from pretrain.pretraining import train
+    from pretrain.runtime.checkpoint import CheckpointError
+    from pretrain.runtime.exit_status import exit_status_of
+    from pretrain.runtime.monitor import MetricsFileError
+    from pretrain.runtime.run_lock import RunDirectoryInUse
 
     return exit_status_of(lambda: train(cfg),
                         (ConfigError, DatasetError, CheckpointError, RunDirectoryInUse, MetricsFileError), "training")

@@ -29,9 +29,10 @@ def views_and_boxes(cfg, generator: torch.Generator):
 
 
 def engine_for(cfg, method):
-    """(engine, optimizer, gradient_edits) as the training loop builds them (`pretrain.loop.initialize_engine`)."""
-    from pretrain.loop import LoopOptions, initialize_engine
-    from pretrain.optim import build_optimizer
+    """(engine, optimizer, gradient_edits) as the training loop builds them
+    (`pretrain.runtime.loop.initialize_engine`)."""
+    from pretrain.runtime.loop import LoopOptions, initialize_engine
+    from pretrain.runtime.optim import build_optimizer
 
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
     return initialize_engine(method, optimizer, LoopOptions.from_config(cfg))
@@ -44,10 +45,10 @@ def one_sgd_step_and_its_reference(cfg, lr: float):
     import copy
 
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
     from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     torch.manual_seed(0)
     method = build_method(cfg).train()

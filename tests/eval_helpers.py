@@ -1,5 +1,5 @@
 """Backbone exports and TensorBoard scalars for the evaluation tests (test_eval, test_retrieval): a random
-ResNet-18 with the small stem, an export written in the format of `pretrain.checkpoint.export_backbone`, the
+ResNet-18 with the small stem, an export written in the format of `pretrain.export.export_backbone`, the
 scalars of a run's tb/ folder, and a small or read-only filesystem to write to (`small_filesystem`)."""
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def context():
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["pretrain.engine", "pretrain.__main__", "pretrain.data.ffcv_loader",
+        _context.set_forkserver_preload(["pretrain.pretraining", "pretrain.__main__", "pretrain.data.ffcv_loader",
                                          "eval.__main__", "pretrain.methods.simclr", "transfer.finetune_stage"])
     return _context
 

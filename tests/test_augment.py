@@ -107,7 +107,7 @@ def test_the_host_side_of_a_gpu_run_draws_the_same_boxes_and_computes_no_pixels(
 def test_freed_memory_is_kept_for_reuse_only_when_asked():
     """mallopt is applied in a process of its own (it changes that process's malloc for good); the module is
     loaded from its file, without the package (which imports torch: 2 s a process)."""
-    script = ("import importlib.util as u; spec = u.spec_from_file_location('m', 'pretrain/memory_reuse.py'); "
+    script = ("import importlib.util as u; spec = u.spec_from_file_location('m', 'pretrain/runtime/memory_reuse.py'); "
               "m = u.module_from_spec(spec); spec.loader.exec_module(m); print(m.reuse_freed_memory())")
     environment = {k: v for k, v in os.environ.items() if k != "HARDVIEW_MALLOC"}
     left = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from pretrain.distributed import average_buffers
+from pretrain.runtime.distributed import average_buffers
 
 
 def _worker(rank: int, port: int, queue) -> None:
@@ -48,9 +48,9 @@ def test_overflowed_batchnorm_statistics_are_a_divergence_the_checkpoint_refuses
 
     from omegaconf import OmegaConf
 
-    from pretrain.distributed import first_non_finite_tensor, parameters_finite_on_every_rank
-    from pretrain.divergence import TrainingDiverged
-    from pretrain.loop import Checkpointer, ConfiguredStage
+    from pretrain.runtime.distributed import first_non_finite_tensor, parameters_finite_on_every_rank
+    from pretrain.runtime.divergence import TrainingDiverged
+    from pretrain.runtime.loop import Checkpointer, ConfiguredStage
 
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     assert first_non_finite_tensor(net) is None and parameters_finite_on_every_rank(net)

@@ -1,10 +1,11 @@
-"""CPU threads per training process (pretrain/cpu_threads.py): the CPUs it may use, shared by the ranks of a node."""
+"""CPU threads per training process (pretrain/runtime/cpu_threads.py): the CPUs it may use, shared by the ranks of
+a node."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.cpu_threads import usable_cpus
+from pretrain.runtime.cpu_threads import usable_cpus
 
 ROOT = Path(__file__).parents[1]
 
@@ -25,7 +26,7 @@ def test_a_training_process_computes_with_its_share_unless_told(monkeypatch):
     processes) and engine.threads win over the computed share."""
     import torch
 
-    from pretrain.cpu_threads import configure_threads
+    from pretrain.runtime.cpu_threads import configure_threads
 
     cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

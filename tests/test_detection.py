@@ -177,7 +177,7 @@ def test_map_of_half_the_objects_found_equals_the_101_point_closed_form(tiny_sce
 
 
 def write_export(run_dir: Path, arch: str = "resnet18", stem: str = "small_stride2", step: int = 42) -> Path:
-    """A backbone.pth in the format of pretrain/checkpoint.py export_backbone (random weights)."""
+    """A backbone.pth in the format of pretrain/export.py export_backbone (random weights)."""
     torch.manual_seed(3)
     backbone = create_backbone(arch, stem, 32)
     config = {"data": {"mean": [0.25, 0.25, 0.25], "std": [0.35, 0.35, 0.35], "views": [{"count": 2, "size": 32}]},

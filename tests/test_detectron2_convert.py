@@ -35,7 +35,7 @@ def detectron2_r50_c4_entries() -> dict[str, tuple[int, ...]]:
 
 def write_export(path: Path, arch: str, stem: str = "imagenet", seed: int = 0,
                  mean: list[float] = IMAGENET_MEAN, std: list[float] = IMAGENET_STD) -> Path:
-    """A backbone export as `pretrain.checkpoint.export_backbone` writes it, every tensor set to distinct random
+    """A backbone export as `pretrain.export.export_backbone` writes it, every tensor set to distinct random
     values (BatchNorm's default ones and zeros would hide a swapped name)."""
     generator = torch.Generator().manual_seed(seed)
     state = {}

@@ -21,7 +21,7 @@ from pretrain.hvs import candidate_combinations, select_hard_views
 from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
 from pretrain.methods import build_method
 from pretrain.methods.base import Method
-from pretrain.optim import build_optimizer, set_schedule_values
+from pretrain.runtime.optim import build_optimizer, set_schedule_values
 from tests.engine_helpers import DINO_MULTI_CROP
 
 ROOT = Path(__file__).parents[1]
@@ -369,9 +369,9 @@ def two_process_worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
     from pretrain.data.views import ViewBatch
-    from pretrain.distributed import init_distributed
-    from pretrain.loop import LoopOptions, initialize_engine, train_step
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.distributed import init_distributed
+    from pretrain.runtime.loop import LoopOptions, initialize_engine, train_step
+    from pretrain.runtime.task import BatchPosition
 
     rank, world, _ = init_distributed()
     results = {}

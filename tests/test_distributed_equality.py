@@ -49,10 +49,10 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
 
     from pretrain.config import load_config, views_to_draw
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import LoopOptions, initialize_engine, train_step
     from pretrain.methods import build_method
-    from pretrain.optim import build_optimizer, set_schedule_values
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.loop import LoopOptions, initialize_engine, train_step
+    from pretrain.runtime.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     config, overrides = CASES[name]
     cfg = load_config(CONFIGS / config, [
@@ -91,7 +91,7 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
 
 
 def worker(out_dir: Path) -> None:
-    from pretrain.distributed import init_distributed
+    from pretrain.runtime.distributed import init_distributed
 
     rank, world, _ = init_distributed()
     torch.set_num_threads(1)

@@ -120,8 +120,8 @@ def test_group_design_without_gathered_pairs_is_refused_on_several_processes():
     """Eq. 25's importance weights count the pairs of the global batch: a process that sees only its share of them
     (group design, method.gather_negatives=false, several processes) is refused; one process, gathered pairs or
     the p-random design (whose pairs never leave a process) train."""
-    from pretrain.config_error import ConfigError
     from pretrain.methods.weighted_contrastive import check_group_design_sees_its_pairs
+    from pretrain.runtime.config_error import ConfigError
 
     for design, gather, processes in (("group", False, 1), ("group", True, 4), ("p_random", False, 4),
                                       ("uniform", False, 4)):

@@ -34,10 +34,10 @@ def bf16_runs_for_every_method_and_stage(configs: list[str]) -> dict:
 
     from pretrain.config import load_config
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
     from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     results = {}
     for config in configs:
@@ -93,10 +93,10 @@ def zero3_accumulation_clipping_low_resolution_selection() -> dict:
     from pretrain.config import load_config
     from pretrain.data.views import ViewBatch
     from pretrain.hvs import select_hard_views
-    from pretrain.loop import train_step
     from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     clip, lr = 0.05, 0.5
     cfg = load_config(CONFIGS / "simsiam_digits.yaml", [
@@ -172,7 +172,7 @@ PARTS = 2
 
 
 def worker(out_dir: Path, part: int) -> None:
-    from pretrain.distributed import init_distributed
+    from pretrain.runtime.distributed import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)

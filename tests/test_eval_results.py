@@ -34,7 +34,7 @@ def test_a_result_on_a_full_disk_names_the_file_and_leaves_nothing_half_written(
     said "cannot write None"."""
     import errno
 
-    from pretrain.atomic_write import write_text_atomically
+    from pretrain.runtime.atomic_write import write_text_atomically
     from tests.eval_helpers import small_filesystem
 
     with small_filesystem(tmp_path / "disk", "64k") as disk:

@@ -148,7 +148,7 @@ def test_a_second_watcher_is_told_to_leave_the_first_running_not_to_rename_the_r
     from eval.__main__ import main
 
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pretrain.run_lock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pretrain.runtime.run_lock import RunLock; "
                                f"RunLock({str(run_dir / 'eval')!r}, 'watch.lock').acquire(); print('held', flush=True); "
                                "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
     try:

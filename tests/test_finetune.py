@@ -2,7 +2,7 @@
 right step with the hand-computed schedule; the label-fraction subset; layer-wise lr decay read off the
 optimizer; --from random vs the export; bad input refused in one line with exit status 2.
 
-The export is written directly in the format of `pretrain.checkpoint.export_backbone` (a random ResNet-18 with
+The export is written directly in the format of `pretrain.export.export_backbone` (a random ResNet-18 with
 the digits pretraining config) instead of pretraining one: the tests check the machinery, not accuracy."""
 import json
 import math
@@ -140,7 +140,7 @@ def test_label_fraction_subset_is_class_balanced_and_seeded(tmp_path):
 
 def lr_by_parameter(model, layer_decay: float, lr: float = 1.0) -> dict[str, float]:
     """Each parameter's lr in the optimizer built as the fine-tuning builds it, after one schedule update."""
-    from pretrain.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.optim import build_optimizer, set_schedule_values
     from transfer.classifier import layer_decay_param_groups
     from transfer.finetune_config import load_finetune_config
 
@@ -195,9 +195,9 @@ def layer_decayed_step_errors() -> dict[str, float]:
     import deepspeed
     import torch.nn.functional as F
 
-    from pretrain.distributed import init_distributed
-    from pretrain.loop import LoopOptions, initialize_engine
-    from pretrain.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.distributed import init_distributed
+    from pretrain.runtime.loop import LoopOptions, initialize_engine
+    from pretrain.runtime.optim import build_optimizer, set_schedule_values
     from transfer.classifier import Classifier, layer_decay_param_groups
     from transfer.finetune_config import load_finetune_config
 

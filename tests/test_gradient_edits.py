@@ -1,4 +1,4 @@
-"""DINO's gradient edits (pretrain/gradient_edits.py) through a real DeepSpeed engine, under ZeRO 0, 1, 2 and 3:
+"""DINO's gradient edits (pretrain/runtime/gradient_edits.py) through a real DeepSpeed engine, under ZeRO 0, 1, 2 and 3:
 
 - per-parameter clipping (`optim.grad_clip_per_parameter`): one plain SGD step moves every parameter tensor by
   lr x its own gradient scaled to norm at most `clip`, as DINO's `utils.clip_gradients` -- not the step of the
@@ -65,10 +65,10 @@ def frozen_last_layer() -> dict:
 
     from pretrain.config import load_config
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
     from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     lr, results = 1e-3, {}
     for stage in STAGES:
@@ -108,7 +108,7 @@ PARTS = {"clipping": "per_parameter_clipping", "frozen": "frozen_last_layer"}
 
 
 def worker(out_dir: Path, part: str) -> None:
-    from pretrain.distributed import init_distributed
+    from pretrain.runtime.distributed import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)

@@ -14,7 +14,9 @@ is an edge of the graph:
   imports of other packages (torch, detectron2, ...) are not edges.
 
 A circle (a strongly connected component of more than one module) fails the test, which prints one circle as
-`a -> b -> a` for every such component.
+`a -> b -> a` for every such component. So does an import from the training runtime (`pretrain/runtime/`, what
+pretraining, fine-tuning and detection all train through) into any other project module: the runtime depends on
+no stage, and on nothing of the pretraining feature (methods, losses, data, models, its config).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pretrain", "eval", "transfer", "launch")
+RUNTIME = "pretrain.runtime"
 
 
 def module_name(path: str) -> str:
@@ -137,6 +140,17 @@ def import_cycles(sources: dict[str, str]) -> list[str]:
     return [" -> ".join(cycle_in(graph, component)) for component in strongly_connected_components(graph)]
 
 
+def in_runtime(module: str) -> bool:
+    return module == RUNTIME or module.startswith(RUNTIME + ".")
+
+
+def imports_out_of_the_runtime(sources: dict[str, str]) -> list[str]:
+    """`a -> b` for every import of a project module `b` outside the runtime by a module `a` of the runtime."""
+    graph = import_graph(sources)
+    return [f"{module} -> {imported}" for module in sorted(graph) if in_runtime(module)
+            for imported in sorted(graph[module]) if not in_runtime(imported)]
+
+
 def test_project_modules_import_one_another_without_a_circle():
     sources = project_sources()
     assert {"pretrain/config.py", "eval/__main__.py", "transfer/__main__.py", "launch/__main__.py"} <= set(sources)
@@ -156,3 +170,20 @@ def test_the_scan_sees_imports_inside_functions_and_from_package_imports():
     sources["pretrain/b.py"] = "def helper():\n    from pretrain import something\n"
     sources["pretrain/__init__.py"] = "something = 1\n"
     assert import_graph(sources)["pretrain.b"] == {"pretrain"} and import_cycles(sources) == []
+
+
+def test_the_training_runtime_imports_nothing_outside_it():
+    sources = project_sources()
+    assert {"pretrain/runtime/loop.py", "pretrain/runtime/checkpoint.py", "pretrain/runtime/config.py"} <= set(sources)
+    outside = imports_out_of_the_runtime(sources)
+    assert not outside, ("the training runtime (pretrain/runtime/) imports modules outside it; move what it needs "
+                         "into it, or let the stage pass it in:\n  " + "\n  ".join(outside))
+
+
+def test_the_runtime_scan_sees_an_import_of_the_feature_inside_a_function():
+    sources = {"pretrain/__init__.py": "", "pretrain/runtime/__init__.py": "", "pretrain/data.py": "",
+               "pretrain/runtime/loop.py": "from pretrain.runtime import task\n"
+                                           "def build():\n    from pretrain.data import DatasetError\n",
+               "pretrain/runtime/task.py": "import torch\n",
+               "pretrain/export.py": "from pretrain.runtime import task\n"}      # the feature may import the runtime
+    assert imports_out_of_the_runtime(sources) == ["pretrain.runtime.loop -> pretrain.data"]

@@ -166,8 +166,8 @@ def test_flags_override_the_preset_and_bad_options_are_refused_by_name(tmp_path,
     (["eval-watch", "--run", "R", "--poll-seconds", "inf"], "argument --poll-seconds: 'inf' is not"),
 ])
 def test_a_bad_number_is_refused_by_its_option_before_the_command_runs(capsys, argv, named):
-    """Every numeric option is checked by its argparse type (pretrain/argument_types.py), in one line; `--mem-gb -4`
-    was accepted, and `--eval-watch --poll-seconds inf` reached the job."""
+    """Every numeric option is checked by its argparse type (pretrain/runtime/argument_types.py), in one line;
+    `--mem-gb -4` was accepted, and `--eval-watch --poll-seconds inf` reached the job."""
     from launch.__main__ import build_parser
 
     with pytest.raises(SystemExit) as refused:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.export import published_export_steps
 from tests import forked_runs
 from tests.run_helpers import hand_computed_lr
-from pretrain.checkpoint import published_export_steps
 from tests.slurm_cluster import SlurmCluster
 from tests.test_finetune import CONFIG as FINETUNE_CONFIG, write_export
 

@@ -69,10 +69,10 @@ def probe_on_and_off(digits: Path) -> dict:
 
     from pretrain.config import load_config
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
     from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     results = {}
     for stage in (0, 2):
@@ -109,7 +109,7 @@ def probe_on_and_off(digits: Path) -> dict:
 
 
 def worker(out_dir: Path, digits: Path) -> None:
-    from pretrain.distributed import init_distributed
+    from pretrain.runtime.distributed import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)

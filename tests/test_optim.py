@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError, load_config
-from pretrain.optim import LARS, build_optimizer, cosine_schedule, schedules_from_config, step_schedule
+from pretrain.runtime.optim import LARS, build_optimizer, cosine_schedule, schedules_from_config, step_schedule
 
 
 def test_cosine_schedule_with_warmup_closed_form():

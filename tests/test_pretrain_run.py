@@ -273,7 +273,7 @@ def test_sigterm_finishes_the_step_saves_a_checkpoint_and_the_run_resumes(digits
 def test_a_second_signal_exits_at_once():
     script = (
         "import os, signal, time, torch\n"
-        "from pretrain.graceful_stop import GracefulStop\n"
+        "from pretrain.runtime.graceful_stop import GracefulStop\n"
         "stop = GracefulStop(repeat_window_s=0.5)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)   # within the window: the same request\n"
@@ -295,7 +295,7 @@ def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warnin
     for (`--signal=B:USR1@120`), is a warning too: it used to kill the run without a checkpoint."""
     script = (
         "import os, signal, time, torch\n"
-        "from pretrain.graceful_stop import GracefulStop, PENDING_STOP_SIGNAL\n"
+        "from pretrain.runtime.graceful_stop import GracefulStop, PENDING_STOP_SIGNAL\n"
         "stop = GracefulStop(repeat_window_s=0.2)\n"
         f"os.kill(os.getpid(), {int(warning)}); time.sleep(0.5)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5)\n"

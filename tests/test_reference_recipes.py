@@ -9,7 +9,7 @@ from torch import nn
 from pretrain.config import load_config
 from pretrain.methods import build_method
 from pretrain.models import ScaleOnlyBatchNorm1d, backbone_from_config
-from pretrain.optim import build_optimizer, set_schedule_values
+from pretrain.runtime.optim import build_optimizer, set_schedule_values
 from tests.engine_helpers import CONFIGS
 
 TINY = ["model.proj_hidden_dim=32", "model.proj_out_dim=16"]

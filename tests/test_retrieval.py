@@ -187,7 +187,7 @@ def test_cli_retrieval_with_split_classes_writes_json_and_tensorboard(tmp_path, 
 @pytest.fixture
 def group_of_one():
     """A process group of one in this process (export_backbone gathers and writes on rank 0), released after."""
-    from pretrain.distributed import init_distributed, release_distributed
+    from pretrain.runtime.distributed import init_distributed, release_distributed
 
     init_distributed("cpu")
     yield
@@ -207,9 +207,9 @@ def test_export_carries_the_embedding_head_beside_an_unchanged_backbone(group_of
     backbone alone, so every reader of the backbone (load_backbone_export: k-NN, linear, fine-tuning, detection; the
     Detectron2 converter reads state_dict) gets it unchanged."""
     from eval.features import load_backbone_export
-    from pretrain.checkpoint import export_backbone
     from pretrain.config import load_config
     from pretrain.methods import build_method
+    from pretrain.export import export_backbone
 
     cfg = load_config(f"configs/pretrain/{config}", ["model.proj_hidden_dim=32", "model.proj_out_dim=16",
                                                      "model.proj_layers=2", f"run_dir={tmp_path}", *head])

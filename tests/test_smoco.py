@@ -141,7 +141,7 @@ def test_drift_is_measured_on_the_fixed_probe_every_k_steps():
 # ==== SyncBatchNorm: the key encoder as the student on multi-GPU runs ====
 
 def test_sync_batchnorm_only_on_gpus_with_several_processes_when_enabled():
-    from pretrain.distributed import with_sync_batchnorm
+    from pretrain.runtime.distributed import with_sync_batchnorm
 
     def batchnorms(module):
         return [type(m) for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
@@ -161,7 +161,7 @@ def test_key_encoder_gets_sync_batchnorm_where_the_student_does(monkeypatch, ena
     BatchNorm layers as the loop converts the student's, with its weights and statistics kept;
     engine.sync_batchnorm=false leaves them as they are."""
     import pretrain.methods.smoco as smoco
-    from pretrain.distributed import with_sync_batchnorm
+    from pretrain.runtime.distributed import with_sync_batchnorm
 
     decisions = []
 
@@ -200,10 +200,10 @@ def two_process_worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
     from pretrain.data.views import ViewBatch
-    from pretrain.distributed import init_distributed
-    from pretrain.loop import LoopOptions, initialize_engine, train_step
-    from pretrain.task import BatchPosition
-    from pretrain.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.distributed import init_distributed
+    from pretrain.runtime.loop import LoopOptions, initialize_engine, train_step
+    from pretrain.runtime.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     rank, world, _ = init_distributed()
     torch.set_num_threads(1)

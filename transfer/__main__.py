@@ -11,8 +11,8 @@ import argparse
 import importlib
 import sys
 
-from pretrain.memory_reuse import reuse_freed_memory
-from pretrain.argument_types import CommandLineParser
+from pretrain.runtime.argument_types import CommandLineParser
+from pretrain.runtime.memory_reuse import reuse_freed_memory
 
 COMMANDS: dict[str, str] = {
     "finetune": "transfer.finetune",
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    reuse_freed_memory()           # as `python -m pretrain` does (pretrain/memory_reuse.py)
+    reuse_freed_memory()           # as `python -m pretrain` does (pretrain/runtime/memory_reuse.py)
     return args.run(args)
 
 

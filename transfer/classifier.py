@@ -60,7 +60,7 @@ def backbone_layers(backbone: nn.Module) -> dict[str, int]:
 def layer_decay_param_groups(model: Classifier, layer_decay: float) -> list[dict]:
     """Optimizer groups with layer-wise lr decay (BEiT, Bao et al. 2022; MAE, He et al. 2022): with L backbone layers
     (`backbone_layers`) the head is layer L, and a parameter of layer l gets `lr_scale` = layer_decay ** (L - l)
-    (applied by `pretrain.optim.set_schedule_values`). ResNet: head 1, layer4 d, layer3 d^2, ..., stem d^5.
+    (applied by `pretrain.runtime.optim.set_schedule_values`). ResNet: head 1, layer4 d, layer3 d^2, ..., stem d^5.
     ViT: head 1, last block d, ..., first block d^depth, embeddings d^(depth + 1): MAE's scales (util/lr_decay.py),
     except that the final norm goes with the last block (timm's grouping) where MAE gives it the head's 1.
 

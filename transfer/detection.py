@@ -21,7 +21,7 @@ Data: the digit scenes of `transfer.digit_scenes` under `data.root`, written the
 and normalised inside the detector with the export's `data.mean` / `data.std`, at their own size (no
 resizing). No augmentation: a flipped digit is not a digit.
 
-Training runs through the training loop of every stage (pretrain/loop.py), on the CPU or one GPU per process
+Training runs through the training loop of every stage (pretrain/runtime/loop.py), on the CPU or one GPU per process
 (`--device auto` takes CUDA when there is one): SGD with momentum, linear warm-up then cosine decay of the
 learning rate, fixed-size batches in a seeded random order, fp32. The detector's run directory,
 RUN_DIR/detection/detection_{export|random}_stepNNNNNNN/, holds its checkpoints (one, at the last epoch end),
@@ -96,14 +96,15 @@ from torch import nn
 from eval.features import (BackboneExport, EvaluationInputError, load_backbone_export, resolve_checkpoint_path,
                            resolve_device)
 from eval.results import result_path, write_result
-from pretrain.atomic_write import write_text_atomically
-from pretrain.checkpoint import check_resumable
-from pretrain.config import ConfigError, merge_checked, parse_overrides, read_config_file, schema_keys
-from pretrain.distributed import average_buffers
-from pretrain.loop import LoopOptions, Stage, run_training
 from pretrain.models import create_backbone
-from pretrain.optim import Schedules, cosine_schedule
-from pretrain.task import BatchLoss, BatchPosition, TrainingTask
+from pretrain.runtime.atomic_write import write_text_atomically
+from pretrain.runtime.checkpoint import check_resumable
+from pretrain.runtime.config import merge_checked, parse_overrides, read_config_file, schema_keys
+from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.distributed import average_buffers
+from pretrain.runtime.loop import LoopOptions, Stage, run_training
+from pretrain.runtime.optim import Schedules, cosine_schedule
+from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 from transfer.detector import build_detector
 from transfer.digit_scenes import DigitScenesError, write_digit_scenes
 
@@ -592,10 +593,10 @@ def run_detection(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """The exit status: 0 done, 1 diverged, 2 bad input (one line), 128 + N stopped by signal N (rerun to resume)."""
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.exit_status import exit_status_of
-    from pretrain.monitor import MetricsFileError
-    from pretrain.run_lock import RunDirectoryInUse
+    from pretrain.runtime.checkpoint import CheckpointError
+    from pretrain.runtime.exit_status import exit_status_of
+    from pretrain.runtime.monitor import MetricsFileError
+    from pretrain.runtime.run_lock import RunDirectoryInUse
 
     return exit_status_of(lambda: run_detection(args),
                           (EvaluationInputError, DetectionInputError, ConfigError, CheckpointError, RunDirectoryInUse,

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from eval.features import EvaluationInputError, resolve_checkpoint_path
-from pretrain.argument_types import positive_int
+from pretrain.runtime.argument_types import positive_int
 from transfer.detectron2_weights import Detectron2InputError, convert_export, write_detectron2_weights
 
 # How a user installs Detectron2 (checked on this project's machines, /work/shared/ENVIRONMENT.md).

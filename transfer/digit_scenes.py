@@ -52,7 +52,7 @@ import cv2
 import numpy as np
 
 from pretrain.data.digits import digits_images, digits_split
-from pretrain.argument_types import non_negative_int, output_folder, positive_int
+from pretrain.runtime.argument_types import non_negative_int, output_folder, positive_int
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")

@@ -6,7 +6,7 @@ initialisation (--from random, the baseline), with top-1 / top-5 on the validati
     python -m transfer finetune --run RUN_DIR [--config FILE] [--from export|random] [key=value ...]
     torchrun --nproc-per-node N -m transfer finetune --run-dir RUN_DIR --config FILE   (torchrun takes --run)
 
-Training runs through the training loop of every stage (pretrain/loop.py; this stage and its task are in
+Training runs through the training loop of every stage (pretrain/runtime/loop.py; this stage and its task are in
 transfer/finetune_stage.py): DeepSpeed ZeRO (engine.zero_stage), bf16 autocast on GPUs with fp32 weights,
 checkpoints every engine.checkpoint_every_steps and at every epoch end, resume by rerunning the same command
 (after a crash or SIGKILL too), SIGINT / SIGTERM / SIGUSR1 / SIGUSR2 finish the step, checkpoint and exit with
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     """Fine-tune as `args` say; the exit status (see the module docstring). Never exits the process itself: the
     launcher calls this in every task of a job."""
     from pretrain.config import ConfigError
-    from pretrain.exit_status import exit_status_of, report
+    from pretrain.runtime.exit_status import exit_status_of, report
     from transfer.finetune_config import load_finetune_config
 
     try:
@@ -74,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from eval.features import EvaluationInputError
-    from pretrain.checkpoint import CheckpointError
     from pretrain.data import DatasetError
-    from pretrain.monitor import MetricsFileError
-    from pretrain.run_lock import RunDirectoryInUse
+    from pretrain.runtime.checkpoint import CheckpointError
+    from pretrain.runtime.monitor import MetricsFileError
+    from pretrain.runtime.run_lock import RunDirectoryInUse
 
     from transfer.finetune_stage import resolve_inputs, train
 

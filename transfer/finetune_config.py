@@ -2,8 +2,8 @@
 
     cfg = load_finetune_config("configs/transfer/finetune_digits.yaml", ["data.label_fraction=10%"])
 
-The sections `optim` and `engine` are those of pretraining (pretrain/config.py: the same optimizers, schedule,
-DeepSpeed and checkpoint keys), `optim` with `layer_decay` added. Data keys left empty (null) take the value
+The sections `optim` and `engine` are those of pretraining (pretrain/runtime/config.py: the same optimizers,
+schedule, DeepSpeed and checkpoint keys), `optim` with `layer_decay` added. Data keys left empty (null) take the value
 of the export's own config: `data.train` / `data.val` (the pretraining data), `data.image_size` (its first view
 size), `data.canvas_size` and `data.eval_crop_fraction`. Normalisation (mean / std) always comes from the export:
 the backbone was trained on images normalised that way.
@@ -17,9 +17,11 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain.config import (CHOICES, NUMBER_RANGES, ConfigError, EngineConfig, OptimConfig, check_choices_and_ranges,
-                             check_optim_keys, check_run_name, merge_checked, parse_overrides, read_config_file, schema_keys)
+from pretrain.config import CHOICES, NUMBER_RANGES
 from pretrain.data.views import ViewGroup
+from pretrain.runtime.config import (EngineConfig, OptimConfig, check_choices_and_ranges, check_optim_keys,
+                                     check_run_name, merge_checked, parse_overrides, read_config_file, schema_keys)
+from pretrain.runtime.config_error import ConfigError
 
 CONFIGS_DIR = "configs/transfer/"
 
@@ -92,7 +94,7 @@ class FinetuneConfig:
 
 
 KEYS = tuple(schema_keys(FinetuneConfig))
-KEYS_WHERE = "transfer/finetune_config.py (optim.* and engine.* as in pretrain/config.py)"
+KEYS_WHERE = "transfer/finetune_config.py (optim.* and engine.* in pretrain/runtime/config.py)"
 
 # (key, low, high, what the value is): numbers that must lie in [low, high] (None: unbounded); the optim.* and
 # engine.* ranges are pretraining's.

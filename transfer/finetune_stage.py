@@ -1,4 +1,4 @@
-"""Fine-tuning as a stage of the training loop (`pretrain/loop.py`): its data, its task and its result.
+"""Fine-tuning as a stage of the training loop (`pretrain/runtime/loop.py`): its data, its task and its result.
 
     crops -> RandAugment / random erasing / mixup -> classifier -> (soft-target) cross-entropy     `FinetuneTask`
     -> [finite on every rank?] -> backward -> step -> [epoch end: top-1 / top-5 on the validation set] -> log
@@ -23,15 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval.features import BackboneExport
 from eval.results import write_results
-from pretrain.atomic_write import write_text_atomically
-from pretrain.checkpoint import check_resumable
 from pretrain.config import ConfigError
+from pretrain.data import DatasetError
 from pretrain.data.loader import build_image_loader, build_view_loader
 from pretrain.data.views import ViewBatch
 from pretrain.data.writer import is_unlabeled
-from pretrain.distributed import average_buffers
-from pretrain.loop import ConfiguredStage, run_training
-from pretrain.task import BatchLoss, BatchPosition, TrainingTask
+from pretrain.runtime.atomic_write import write_text_atomically
+from pretrain.runtime.checkpoint import check_resumable
+from pretrain.runtime.distributed import average_buffers
+from pretrain.runtime.loop import ConfiguredStage, run_training
+from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 from transfer.classifier import build_classifier, layer_decay_param_groups
 from transfer.finetune_augment import BatchAugmentation, seed_batch_generators
 from transfer.finetune_config import train_view_group
@@ -225,6 +226,7 @@ class Finetuning(ConfiguredStage):
     """The fine-tuning of `inputs` as `cfg` describes, in RUN_DIR/finetune/NAME_FRACTION_FROM_stepNNNNNNN."""
 
     name = "fine-tuning"
+    input_errors = (ConfigError, DatasetError)
 
     def __init__(self, cfg: DictConfig, inputs: FinetuneInputs):
         super().__init__(cfg)

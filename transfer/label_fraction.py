@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.atomic_write import write_text_atomically
 from pretrain.config import ConfigError
 from pretrain.data import DatasetError
+from pretrain.runtime.atomic_write import write_text_atomically
 
 SUBSET_FILE = "label_subset.json"
 

@@ -22,13 +22,13 @@ import argparse
 import json
 from pathlib import Path
 
-from pretrain.argument_types import CommandLineParser
 from pretrain.bench.gpu import add_gpu_command
 from pretrain.bench.hvs import add_hvs_command
 from pretrain.bench.loader import add_loader_command
 from pretrain.bench.peers import add_peers_command
 from pretrain.bench.train import add_train_command
-from pretrain.memory_reuse import reuse_freed_memory
+from pretrain.runtime.argument_types import CommandLineParser
+from pretrain.runtime.memory_reuse import reuse_freed_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    reuse_freed_memory()           # as `python -m pretrain` does (pretrain/memory_reuse.py)
+    reuse_freed_memory()           # as `python -m pretrain` does (pretrain/runtime/memory_reuse.py)
     result = args.run(args)
     if args.out is None:
         return 0

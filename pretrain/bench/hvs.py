@@ -13,10 +13,10 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
 
     from pretrain.config import views_to_draw
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import LoopOptions, initialize_engine, train_step
     from pretrain.methods import build_method
-    from pretrain.optim import build_optimizer
-    from pretrain.task import BatchPosition
+    from pretrain.runtime.loop import LoopOptions, initialize_engine, train_step
+    from pretrain.runtime.optim import build_optimizer
+    from pretrain.runtime.task import BatchPosition
 
     torch.manual_seed(0)
     method = build_method(cfg)
@@ -38,7 +38,7 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
 
 def run_hvs_benchmark(args: argparse.Namespace) -> dict:
     from pretrain.config import load_config
-    from pretrain.distributed import init_distributed
+    from pretrain.runtime.distributed import init_distributed
 
     init_distributed()
     rows = []

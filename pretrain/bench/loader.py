@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.argument_types import non_negative_int, positive_int
 from pretrain.bench.images import (PHOTO_SIZES, PHOTO_SOURCE, SIMCLR_SIDE, SOURCE_SIDE, benchmark_images,
                                    synthetic_image_folder)
+from pretrain.runtime.argument_types import non_negative_int, positive_int
 
 def cpu_seconds() -> float:
     """CPU time of this process (all threads) plus its reaped children (DataLoader workers exit per epoch)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.argument_types import non_negative_int, positive_int
+from pretrain.runtime.argument_types import non_negative_int, positive_int
 
 RECIPES = {   # the project's config and what the comparison sets on both sides
     "simclr": ("configs/pretrain/simclr_fashion_mnist.yaml", []),
@@ -106,7 +106,7 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
 
     from pretrain.data.fashion_mnist import read_fashion_mnist
     from pretrain.models import create_backbone
-    from pretrain.optim import schedules_from_config, set_schedule_values
+    from pretrain.runtime.optim import schedules_from_config, set_schedule_values
 
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)

@@ -2,9 +2,9 @@
 
 Per case (a config, with or without hard view selection), on the same fixed view tensors (the loader left out: its
 cost is `bench loader`'s and the split's "data" row):
-- this project: the real training loop (`pretrain.loop.run_training` with the real `Pretraining` stage: DeepSpeed
-  engine, the method's `batch_loss` with selection and the online monitors, the finite-loss and stop-signal
-  all-reduces, logging), timed between consecutive optimizer steps;
+- this project: the real training loop (`pretrain.runtime.loop.run_training` with the real `Pretraining` stage:
+  DeepSpeed engine, the method's `batch_loss` with selection and the online monitors, the finite-loss and
+  stop-signal all-reduces, logging), timed between consecutive optimizer steps;
 - the plain loop, written here: the same method module (backbone, heads, loss; hard view selection by the same
   `select_hard_views`) and the same torch optimizer, `loss.backward(); optimizer.step()`, nothing else.
 Images/s is the median over the timed steps after a warm-up, the faster of two runs of each (project, plain, plain,
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.argument_types import positive_int
+from pretrain.runtime.argument_types import positive_int
 
 FASHION_MNIST = ["configs/pretrain/simclr_fashion_mnist.yaml", "configs/pretrain/simsiam_fashion_mnist.yaml",
                  "configs/pretrain/dino_fashion_mnist.yaml", "configs/pretrain/tcl_fashion_mnist.yaml"]
@@ -79,8 +79,8 @@ class FixedViews:
 def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[float], dict[str, float]]:
     """Seconds between consecutive optimizer steps of the real loop on a fixed batch; with `profile`, the CPU
     milliseconds per step of every `hardview/...` range the loop and the methods mark."""
-    from pretrain.engine import Pretraining
-    from pretrain.loop import run_training
+    from pretrain.pretraining import Pretraining
+    from pretrain.runtime.loop import run_training
 
     stamps: list[float] = []
 
@@ -104,7 +104,7 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
-    from pretrain.distributed import release_distributed
+    from pretrain.runtime.distributed import release_distributed
 
     phases = {}
     try:                  # the group of one ends with the run: a process started later must not take it for its own
@@ -130,7 +130,7 @@ def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[floa
 
     from pretrain.hvs import select_hard_views
     from pretrain.methods import build_method
-    from pretrain.optim import build_optimizer
+    from pretrain.runtime.optim import build_optimizer
 
     torch.manual_seed(cfg.seed)
     method = build_method(cfg, steps).train()
@@ -179,7 +179,7 @@ def run_case(args: argparse.Namespace) -> dict:
         data = Path(case["data"]) if case.get("data") else None
         cfg = case_config(case["config"], case["overrides"], Path(work) / "run", case["steps"], data)
         if case.get("plain"):
-            from pretrain.distributed import init_distributed, release_distributed
+            from pretrain.runtime.distributed import init_distributed, release_distributed
 
             init_distributed("cpu")               # a group of one: DINO's centre is all-reduced
             seconds = plain_step_seconds(cfg, case["steps"], case.get("variant"))

@@ -5,9 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from pretrain.argument_types import CommandLineParser, output_folder
 from pretrain.data.fashion_mnist import FASHION_MNIST_DIR
 from pretrain.data.writer import DEFAULT_MAX_SIDE
+from pretrain.runtime.argument_types import CommandLineParser, output_folder
 
 
 def build_parser() -> argparse.ArgumentParser:

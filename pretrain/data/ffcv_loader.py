@@ -39,7 +39,8 @@ def _set_decode_threads(cls, n: int) -> None:
     """FFCV 1.0.2's `Compiler.set_num_threads`, without its `torch.set_num_threads(n)`: FFCV calls it when a Loader is
     built and, from its own thread, at every epoch's start, and torch's thread count is global, so the training step
     computed with `data.num_workers` threads (1 in the fine-tuning recipes) whatever `engine.threads` said. The decode
-    threads are numba's, set here as FFCV sets them; torch's stay the training loop's (pretrain/cpu_threads.py)."""
+    threads are numba's, set here as FFCV sets them; torch's stay the training loop's
+    (pretrain/runtime/cpu_threads.py)."""
     import numba
 
     cls.num_threads = n if n >= 1 else os.cpu_count()

@@ -1,6 +1,6 @@
 """The method protocol: all that the training loop and hard view selection need from a method.
 
-A method is the training loop's task for pretraining (`pretrain.task.TrainingTask`, which it extends): its
+A method is the training loop's task for pretraining (`pretrain.runtime.task.TrainingTask`, which it extends): its
 `batch_loss` is views -> (hard view selection) -> forward -> loss, and its export at every checkpoint is the
 backbone that eval and transfer read.
 
@@ -58,7 +58,7 @@ from pretrain.data.views import ViewBatch
 from pretrain.data.writer import classes_path
 from pretrain.hvs import select_hard_views
 from pretrain.online_monitors import OnlineLinearProbe, rankme
-from pretrain.task import BatchLoss, BatchPosition, TrainingTask
+from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 
 
 class Method(TrainingTask):
@@ -187,7 +187,7 @@ class Method(TrainingTask):
         return None
 
     def write_export(self, run_dir: Path, epoch: int, step: int) -> None:
-        from pretrain.checkpoint import export_backbone
+        from pretrain.export import export_backbone
         export_backbone(self, run_dir, self.cfg, epoch, step)
 
     def modules_with_buffers(self) -> list[nn.Module]:
@@ -229,7 +229,7 @@ def encode_view_groups(encoder: nn.Module, views: list[torch.Tensor], head: nn.M
 
 def require_one_view_group(cfg: DictConfig, min_count: int = 2, max_count: int | None = None) -> None:
     """For methods that train on views of one kind: one view group, with `min_count`..`max_count` views."""
-    from pretrain.config_error import ConfigError
+    from pretrain.runtime.config_error import ConfigError
 
     name, views = cfg.method.name, cfg.data.views
     if len(views) != 1:

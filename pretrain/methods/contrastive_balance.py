@@ -62,7 +62,7 @@ class ContrastiveBalance(TCL):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config_error import ConfigError
+        from pretrain.runtime.config_error import ConfigError
 
         o = cfg.method
         require_one_view_group(cfg, 1 if o.supervised else 2)

@@ -28,7 +28,7 @@ Differences from facebookresearch/dino, main_dino.py, worth knowing:
   `optim.grad_clip=3.0 optim.grad_clip_per_parameter=0` (DeepSpeed's global-norm clipping);
 - none in the frozen last layer either: for its first `freeze_last_layer_epochs` it gets no gradient (DINO's
   `cancel_gradients_last_layer`), so the optimizer neither moves it nor builds moments or a step count for it
-  (`frozen_steps`, `pretrain/gradient_edits.py`, which says how under ZeRO 1-3);
+  (`frozen_steps`, `pretrain/runtime/gradient_edits.py`, which says how under ZeRO 1-3);
 - under `engine.precision=bf16` the student's backbone and head MLP run under bf16 autocast, the teacher and the
   heads' last layers in fp32 (DINO's fp16 AMP runs everything in fp16, with 8x finer rounding than bf16);
 - schedules are per optimizer step (DINO's teacher temperature is per epoch).
@@ -46,11 +46,11 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from pretrain.distributed import with_sync_batchnorm
 from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample, dino_teacher_entropy
 from pretrain.methods.base import Method, encode_view_groups, split_decay_groups
 from pretrain.models import backbone_from_config, is_vision_transformer, without_stochastic_depth
-from pretrain.optim import cosine_schedule
+from pretrain.runtime.distributed import with_sync_batchnorm
+from pretrain.runtime.optim import cosine_schedule
 
 NUM_GLOBAL_GROUPS = 2   # data.views groups 0 and 1: the teacher's views
 
@@ -186,7 +186,7 @@ class DINO(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config_error import ConfigError
+        from pretrain.runtime.config_error import ConfigError
 
         o, views = cfg.method, cfg.data.views
         if len(views) < NUM_GLOBAL_GROUPS or views[0].count != 1 or views[1].count != 1:
@@ -351,7 +351,7 @@ class DINO(Method):
 
     def param_groups(self) -> list[dict]:
         # The last layer gets no gradient in its first `frozen_steps` (DINO's `cancel_gradients_last_layer`;
-        # `pretrain/gradient_edits.py` reads the group flag), so it is in groups of its own.
+        # `pretrain/runtime/gradient_edits.py` reads the group flag), so it is in groups of its own.
         body = nn.ModuleList([self.backbone, self.head.mlp])
         groups = split_decay_groups(body) + split_decay_groups(self.head.last_layer, frozen_steps=self.frozen_steps)
         return [group for group in groups if group["params"]]
@@ -367,7 +367,7 @@ class DINO(Method):
         """Teacher, centre and step counter for the checkpoint's client state. Called on every rank: the
         teacher's BatchNorm statistics (updated by its own forwards, per rank) are averaged first, as
         save_checkpoint does for the student, so that rank 0's export is the mean teacher."""
-        from pretrain.distributed import average_buffers
+        from pretrain.runtime.distributed import average_buffers
 
         average_buffers(self.teacher)
         return {**super().state_outside_engine(), "teacher": {name: t.detach().cpu().clone() for name, t in self.teacher.state_dict().items()},

@@ -48,7 +48,7 @@ class SimCLR(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config_error import ConfigError
+        from pretrain.runtime.config_error import ConfigError
 
         require_one_view_group(cfg, 2, 2)
         if min(cfg.method.lambda_p, cfg.method.lambda_e) < 0:

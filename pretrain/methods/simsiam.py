@@ -79,7 +79,7 @@ class SimSiam(Method):
 
     def param_groups(self) -> list[dict]:
         # SimSiam decays everything (module docstring): optim.decay_norm_and_bias, true by default, drops the no_decay
-        # groups' flag (pretrain/optim.py); false gives the split of SimCLR and DINO.
+        # groups' flag (pretrain/runtime/optim.py); false gives the split of SimCLR and DINO.
         encoder = nn.ModuleList([self.backbone, self.projector])
         groups = split_decay_groups(encoder) + split_decay_groups(self.predictor, fixed_lr=self.fix_pred_lr)
         return [group for group in groups if group["params"]]

@@ -52,11 +52,11 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from pretrain.distributed import with_sync_batchnorm
 from pretrain.losses.pair_weighting import PairWeighting, pair_weighting_per_anchor
 from pretrain.losses.supcon import contrast_set
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import backbone_from_config, projector_from_config
+from pretrain.runtime.distributed import with_sync_batchnorm
 
 
 @dataclass
@@ -131,7 +131,7 @@ class SMoCo(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config_error import ConfigError
+        from pretrain.runtime.config_error import ConfigError
 
         o = cfg.method
         require_one_view_group(cfg, 2, 2)
@@ -246,7 +246,7 @@ class SMoCo(Method):
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
         if (labels < 0).any():
-            from pretrain.config_error import ConfigError
+            from pretrain.runtime.config_error import ConfigError
 
             raise ConfigError("method.name=smoco needs class labels, but this batch has label -1 (unknown): write "
                               "the .beton from an image folder with one sub-folder per class")
@@ -303,7 +303,7 @@ class SMoCo(Method):
     def state_outside_engine(self) -> dict:
         """Key encoder, queue (with labels and position), drift probe and step counter. The key encoder's
         BatchNorm statistics (its own forwards, per rank) are averaged first, as the student's are."""
-        from pretrain.distributed import average_buffers
+        from pretrain.runtime.distributed import average_buffers
 
         average_buffers(self.key_encoder)
 

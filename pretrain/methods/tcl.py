@@ -45,7 +45,7 @@ class Options:
 
 def check_views_and_temperature(cfg: DictConfig) -> None:
     """One view group of k >= 2 views and a positive temperature (TCL and SupCon)."""
-    from pretrain.config_error import ConfigError
+    from pretrain.runtime.config_error import ConfigError
 
     require_one_view_group(cfg, 2)
     if cfg.method.temperature <= 0:
@@ -73,7 +73,7 @@ class TCL(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config_error import ConfigError
+        from pretrain.runtime.config_error import ConfigError
 
         check_views_and_temperature(cfg)
         for key in ("k1", "k2"):
@@ -122,7 +122,7 @@ class TCL(Method):
         if not self.options.supervised:
             return None
         if (labels < 0).any():
-            from pretrain.config_error import ConfigError
+            from pretrain.runtime.config_error import ConfigError
 
             raise ConfigError(f"method.name={self.options.name} with method.supervised=true needs class labels, but "
                               "this batch has label -1 (unknown): write the .beton from an image folder with one "

@@ -62,7 +62,7 @@ def check_group_design_sees_its_pairs(design_name: str, gather_negatives: bool, 
     """The group design's importance weights (eq. 25) count every pair of the *global* batch: on several processes
     without gathered candidates each process sees only its share of them, and the weights would be wrong."""
     if design_name == "group" and not gather_negatives and processes > 1:
-        from pretrain.config_error import ConfigError
+        from pretrain.runtime.config_error import ConfigError
 
         raise ConfigError(f"data.batch_design.name=group with method.gather_negatives=false on {processes} processes: "
                           "the importance weights (paper 001, eq. 25) assume every pair of the global batch; set "
@@ -92,7 +92,7 @@ class WeightedContrastive(TCL):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.config_error import ConfigError
+        from pretrain.runtime.config_error import ConfigError
 
         o = cfg.method
         require_one_view_group(cfg, 1, 1)
@@ -111,7 +111,7 @@ class WeightedContrastive(TCL):
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
         if (labels < 0).any():
-            from pretrain.config_error import ConfigError
+            from pretrain.runtime.config_error import ConfigError
 
             raise ConfigError("method.name=weighted_contrastive needs class labels, but this batch has label -1 "
                               "(unknown): write the .beton from an image folder with one sub-folder per class")

@@ -26,7 +26,7 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    from pretrain.distributed import init_distributed
+    from pretrain.runtime.distributed import init_distributed
 
     init_distributed()           # one NCCL process on GPU 0
     yield
@@ -36,10 +36,10 @@ def process_group():
 def test_bf16_step_is_the_fp32_step_within_bf16_rounding(config):
     from pretrain.config import load_config
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
-    from pretrain.task import BatchPosition
     from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     extra = ["method.out_dim=64"] if config.startswith("dino") else []
     cfg = load_config(CONFIGS / config, [*TINY, *extra, "optim.name=adamw", "optim.lr=0.001", "hvs.enabled=false"])
@@ -107,10 +107,10 @@ def test_selection_on_cuda_chooses_the_cpu_views(config):
 def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
     from pretrain.config import load_config
     from pretrain.data.views import ViewBatch
-    from pretrain.loop import train_step
-    from pretrain.task import BatchPosition
     from pretrain.methods import build_method
-    from pretrain.optim import set_schedule_values
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import set_schedule_values
+    from pretrain.runtime.task import BatchPosition
 
     cfg = load_config(CONFIGS / "dino_digits.yaml", [*TINY, "method.out_dim=64", "optim.name=adamw",
                                                       "hvs.enabled=false", "method.momentum_teacher=0.9"])

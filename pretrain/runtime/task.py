@@ -1,4 +1,4 @@
-"""What a stage that trains supplies to the training loop (`pretrain/loop.py`): a `TrainingTask`.
+"""What a stage that trains supplies to the training loop (`pretrain/runtime/loop.py`): a `TrainingTask`.
 
 The task is the module the DeepSpeed engine wraps: its parameters are what the optimizer steps, and it says
 how a batch becomes a loss. Pretraining's methods are tasks (`pretrain.methods.base.Method`: views -> hard

@@ -40,9 +40,9 @@ class FrozenGroup:
 
 
 class GradientEdits:
-    """Per-parameter clipping and frozen groups, applied by `pretrain.loop.train_step` when DeepSpeed is about to
-    take an optimizer step. Build it from the torch optimizer *before* `deepspeed.initialize`, which replaces the
-    groups' parameters by its flat partitions under ZeRO 1-3."""
+    """Per-parameter clipping and frozen groups, applied by `pretrain.runtime.loop.train_step` when DeepSpeed is
+    about to take an optimizer step. Build it from the torch optimizer *before* `deepspeed.initialize`, which
+    replaces the groups' parameters by its flat partitions under ZeRO 1-3."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip_per_parameter: float, zero_stage: int):
         self.clip = float(clip_per_parameter)

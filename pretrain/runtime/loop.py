@@ -7,8 +7,8 @@
         task.after_step -> [epoch end: task.after_epoch] -> log -> checkpoint (+ task.write_export)
         -> [stop signal on any rank?]
 
-A stage (pretrain/engine.py, transfer/finetune.py, transfer/detection.py) describes its run as a `Stage`: its
-data, its task (a `pretrain.task.TrainingTask`, the module the engine wraps, which turns a batch into a loss),
+A stage (pretrain/pretraining.py, transfer/finetune.py, transfer/detection.py) describes its run as a `Stage`: its
+data, its task (a `pretrain.runtime.task.TrainingTask`, the module the engine wraps, which turns a batch into a loss),
 its optimizer and schedules, what it records. `run_training(stage)` does the rest the same way for all:
 processes and the run lock, seeds, the DeepSpeed engine and its config, resume through the run-layout check,
 divergence, checkpoints, logging, the graceful stop.
@@ -25,7 +25,7 @@ accumulation there: "unsupported mix of model_dtype=torch.bfloat16 and grad_accu
 Gradient clipping: DeepSpeed 0.19.8 clips the global gradient norm at 1.0 when its config has no
 `gradient_clipping` key (`runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0`), so `deepspeed_config`
 always writes the key: `grad_clip` when it is > 0, else 0 (no clipping). DINO's per-parameter clipping
-(`grad_clip_per_parameter`) and its frozen last layer are `pretrain/gradient_edits.py`.
+(`grad_clip_per_parameter`) and its frozen last layer are `pretrain/runtime/gradient_edits.py`.
 """
 from __future__ import annotations
 
@@ -49,21 +49,18 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.profiler import record_function
 
-from pretrain.checkpoint import resume_from_newest_loadable, run_layout, save_checkpoint
-from pretrain.config_error import ConfigError
-from pretrain.cpu_threads import configure_threads
-from pretrain.data import DatasetError
-from pretrain.distributed import (finite_on_every_rank, first_non_finite_tensor, init_distributed,
-                                  parameters_finite_on_every_rank)
-from pretrain.divergence import NonFiniteLoss, TrainingDiverged
-from pretrain.graceful_stop import GracefulStop, StopRequested
-from pretrain.gradient_edits import GradientEdits
-from pretrain.monitor import TrainingMonitor
-from pretrain.optim import (Schedules, build_optimizer, divergence_advice, schedules_from_config,
-                            set_schedule_values)
-from pretrain.run_lock import locked_run_directory
-from pretrain.task import BatchLoss, BatchPosition, TrainingTask
-
+from pretrain.runtime.checkpoint import Checkpointer, run_layout
+from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.cpu_threads import configure_threads
+from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
+from pretrain.runtime.divergence import NonFiniteLoss
+from pretrain.runtime.graceful_stop import GracefulStop, StopRequested
+from pretrain.runtime.gradient_edits import GradientEdits
+from pretrain.runtime.monitor import TrainingMonitor
+from pretrain.runtime.optim import (Schedules, build_optimizer, divergence_advice, schedules_from_config,
+                                    set_schedule_values)
+from pretrain.runtime.run_lock import locked_run_directory
+from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 
 @dataclass(frozen=True)
 class LoopOptions:
@@ -89,7 +86,7 @@ class LoopOptions:
     sync_batchnorm: bool = True     # GPUs, several processes
     channels_last: bool = False     # GPUs
     device: str = "auto"            # auto (CUDA when available) | cpu
-    threads: int = 0                # CPU threads per process; 0: its share of the cores (pretrain/cpu_threads.py)
+    threads: int = 0                # CPU threads per process; 0: its share of the cores (pretrain/runtime/cpu_threads.py)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> LoopOptions:
@@ -136,6 +133,9 @@ class Stage:
     name = "training"               # in messages: "training diverged in epoch ..."
     run_dir: Path
     options: LoopOptions
+    # The errors of bad input that building the data or the task may raise: a start that raises one removes the
+    # run directory it created (a refused start leaves nothing behind). Pretraining adds its DatasetError.
+    input_errors: tuple[type[Exception], ...] = (ConfigError,)
 
     def check_inputs(self) -> None:
         """Before any process group or worker starts: raise for inputs that cannot work."""
@@ -216,49 +216,6 @@ class TrainingClock:
             self.origin += time.perf_counter() - started
 
 
-class Checkpointer:
-    """Saves the run at a step (DeepSpeed checkpoint + trainer state + the task's state outside the engine, then
-    the task's `write_export`) after checking that the parameters are finite, resumes it, and words what
-    divergence leaves behind."""
-
-    def __init__(self, engine, task: TrainingTask, stage: Stage, layout: dict[str, int]):
-        self.engine, self.task, self.stage, self.layout = engine, task, stage, layout
-        self.directory = stage.run_dir / "checkpoints"
-        self.saved_step: int | None = None
-
-    def resume(self) -> tuple[int, int, float] | None:
-        """Load the newest checkpoint that loads; return its (epoch, batch in epoch, seconds trained), or None (a
-        fresh start). A checkpoint written before the training clock was kept counts from 0."""
-        resumed = resume_from_newest_loadable(self.engine, self.directory, self.layout)
-        if resumed is None:
-            return None
-        trainer_state, client_state = resumed
-        self.task.load_state_outside_engine(client_state.get("task", client_state.get("method", {})))
-        self.saved_step = self.engine.global_steps
-        return trainer_state["epoch"], trainer_state["batch_in_epoch"], trainer_state.get("trained_seconds", 0.0)
-
-    def save(self, epoch: int, batch_in_epoch: int, trained_seconds: float) -> None:
-        step = self.engine.global_steps
-        if not parameters_finite_on_every_rank(self.engine.module):
-            where = first_non_finite_tensor(self.engine.module)
-            raise self.diverged(f"the parameters or BatchNorm statistics are NaN or inf after step {step}"
-                                + (f" ({where}, and maybe others)" if where else ""), epoch)
-        save_checkpoint(self.engine, self.directory,
-                        {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-                         "trained_seconds": trained_seconds, **self.layout},
-                        {"task": self.task.state_outside_engine()}, self.stage.options.keep_checkpoints)
-        self.task.write_export(self.stage.run_dir, epoch, step)
-        self.saved_step = step
-
-    def diverged(self, what: str, epoch: int) -> TrainingDiverged:
-        saved = self.saved_step
-        kept = (f"The last checkpoint ({self.directory / f'step{saved:08d}'}), of step {saved}, and what it "
-                "exported are finite and kept; rerunning the same command resumes from there" if saved is not None
-                else "No checkpoint had been saved yet; rerunning the same command starts afresh")
-        return TrainingDiverged(f"{self.stage.name} diverged in epoch {epoch}: {what}. {kept}. "
-                                f"{self.stage.divergence_advice()}")
-
-
 def initialize_engine(task: TrainingTask, optimizer: torch.optim.Optimizer, options: LoopOptions):
     """The DeepSpeed engine over `task` and `optimizer`, and the gradient edits its steps apply (read from the
     optimizer's groups before DeepSpeed replaces their parameters). Returns (engine, optimizer, gradient_edits)."""
@@ -306,8 +263,8 @@ def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, 
 def run_training(stage: Stage) -> Any:
     """Run (or resume) `stage`'s training; return what `stage.finish` returns.
 
-    Raises, on every rank: the stage's input errors, ConfigError, CheckpointError, RunDirectoryInUse (bad input:
-    nothing was trained); TrainingDiverged; StopRequested (a signal: a checkpoint was saved).
+    Raises, on every rank: the stage's input errors (`Stage.input_errors`), CheckpointError, RunDirectoryInUse (bad
+    input: nothing was trained); TrainingDiverged; StopRequested (a signal: a checkpoint was saved).
     """
     o = stage.options
     # ==== processes, run directory, seeds ====
@@ -321,7 +278,7 @@ def run_training(stage: Stage) -> Any:
     created = first_missing_directory(run_dir)          # what a refused fresh start must not leave behind
     try:
         return train_in_run_directory(stage, o, rank, world_size, device, run_dir)
-    except (ConfigError, DatasetError):                 # bad input found while building the data or the task
+    except stage.input_errors:                          # bad input found while building the data or the task
         if rank == 0 and created is not None and not any(created.rglob("trainer_state.json")):
             shutil.rmtree(created, ignore_errors=True)
         raise

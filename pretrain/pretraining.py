@@ -1,4 +1,4 @@
-"""Pretraining as a stage of the training loop (`pretrain/loop.py`): its data, its task and its schedules.
+"""Pretraining as a stage of the training loop (`pretrain/runtime/loop.py`): its data, its task and its schedules.
 
     views -> (hard view selection) -> forward -> loss        the method's `batch_loss` (pretrain/methods/base.py)
     -> [finite on every rank?] -> backward -> step -> after_step (EMA teacher, queues) -> log / checkpoint + export
@@ -16,20 +16,23 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain.atomic_write import write_text_atomically
-from pretrain.checkpoint import check_fresh_start, check_resumable
 from pretrain.config import ConfigError, run_dir_of, views_to_draw
+from pretrain.data import DatasetError
 from pretrain.data.loader import build_view_loader, check_held_out_data, check_training_data
 from pretrain.data.writer import is_unlabeled
-from pretrain.loop import ConfiguredStage, run_training
+from pretrain.export import check_fresh_start
 from pretrain.methods import build_method, method_module
 from pretrain.methods.base import Method
+from pretrain.runtime.atomic_write import write_text_atomically
+from pretrain.runtime.checkpoint import check_resumable
+from pretrain.runtime.loop import ConfiguredStage, run_training
 
 
 class Pretraining(ConfiguredStage):
     """The pretraining run that `cfg` describes (schedules and optimizer: `ConfiguredStage`, from optim.*)."""
 
     name = "training"
+    input_errors = (ConfigError, DatasetError)
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)

@@ -11,7 +11,7 @@ lock, so a lock whose holder is gone is taken over, with a message:
 - on another host, outside such a job, liveness cannot be checked: the start is refused and the message says
   which file to delete once that run is known to be gone.
 
-Only rank 0 takes the lock (the ranks of one run share it); `pretrain.engine` tells every rank the outcome.
+Only rank 0 takes the lock (the ranks of one run share it); `locked_run_directory` tells every rank the outcome.
 """
 from __future__ import annotations
 

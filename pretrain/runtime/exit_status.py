@@ -31,9 +31,9 @@ def one_line(error: BaseException) -> str:
 def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseException], ...], what: str) -> int:
     """Call `train()` and turn how it ended into the exit status; `input_errors` are the bad-input errors
     (status 2), `what` names the work in the start-up interruption message ("training", "fine-tuning")."""
-    from pretrain.distributed import release_distributed
-    from pretrain.divergence import TrainingDiverged
-    from pretrain.graceful_stop import StopRequested
+    from pretrain.runtime.distributed import release_distributed
+    from pretrain.runtime.divergence import TrainingDiverged
+    from pretrain.runtime.graceful_stop import StopRequested
 
     try:
         train()

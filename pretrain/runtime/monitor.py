@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from pretrain.atomic_write import write_text_atomically
+from pretrain.runtime.atomic_write import write_text_atomically
 
 
 class MetricsFileError(ValueError):

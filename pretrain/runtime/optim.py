@@ -103,7 +103,7 @@ def set_schedule_values(optimizer: torch.optim.Optimizer, lr: float, weight_deca
                         step: int = 0) -> None:
     """Apply one step's values. Groups flagged `fixed_lr` stay at the base lr (SimSiam's predictor); groups
     with `frozen_steps` get lr 0 before that step (DINO's last layer in its first epoch: their gradients are
-    cancelled too, `pretrain/gradient_edits.py`); a group's `lr_scale` multiplies its lr (layer-wise lr decay
+    cancelled too, `pretrain/runtime/gradient_edits.py`); a group's `lr_scale` multiplies its lr (layer-wise lr decay
     in fine-tuning)."""
     for group in optimizer.param_groups:
         group["lr"] = (base_lr if group.get("fixed_lr") else lr) * group.get("lr_scale", 1.0)
