@@ -63,7 +63,7 @@ def test_overflowed_batchnorm_statistics_are_a_divergence_the_checkpoint_refuses
                             divergence_advice=lambda: ConfiguredStage.divergence_advice(SimpleNamespace(cfg=cfg)))
     checkpointer = Checkpointer(SimpleNamespace(global_steps=7, module=net), None, stage, {})
     with pytest.raises(TrainingDiverged) as raised:
-        checkpointer.save(epoch=0, batch_in_epoch=7)
+        checkpointer.save(epoch=0, batch_in_epoch=7, trained_seconds=0.0)
     message = str(raised.value)
     assert "the parameters or BatchNorm statistics are NaN or inf after step 7 (1.running_var" in message
     assert "optim.lr (now 1000000.0)" in message and not (tmp_path / "checkpoints").exists()
