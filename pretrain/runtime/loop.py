@@ -1,17 +1,19 @@
 """The training loop of every stage that trains: pretraining, fine-tuning and detection.
 
-    for every optimizer step of an epoch:
-        set the step's learning rate and weight decay
-        grad_accum times: micro-batch -> task.batch_loss -> [finite on every rank?] -> backward
-                          -> [last micro-batch: gradient edits] -> engine.step
-        task.after_step -> [epoch end: task.after_epoch] -> log -> checkpoint (+ task.write_export)
-        -> [stop signal on any rank?]
+    run = prepare_run(...)                 data, task, optimizer and schedules, DeepSpeed engine, resume, monitor
+    for every epoch, `train_one_epoch(run)`: for every optimizer step of the epoch
+        set_schedule_values                the step's learning rate and weight decay
+        optimizer_step                     grad_accum times: micro-batch -> train_step (task.batch_loss ->
+                                           [finite on every rank?] -> backward -> [last micro-batch: gradient
+                                           edits] -> engine.step)
+        task.after_step -> agree_on_stop -> [epoch end: task.after_epoch]
+        log_step, log_image_grids -> checkpoint_if_due (+ task.write_export) -> [stop signal: stop_on_signal]
 
-A stage (pretrain/pretraining.py, transfer/finetune.py, transfer/detection.py) describes its run as a `Stage`: its
-data, its task (a `pretrain.runtime.task.TrainingTask`, the module the engine wraps, which turns a batch into a loss),
-its optimizer and schedules, what it records. `run_training(stage)` does the rest the same way for all:
-processes and the run lock, seeds, the DeepSpeed engine and its config, resume through the run-layout check,
-divergence, checkpoints, logging, the graceful stop.
+A stage (pretrain/pretraining.py, transfer/finetune_stage.py, transfer/detection.py) describes its run as a
+`Stage`: its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the engine wraps, which turns a
+batch into a loss), its optimizer and schedules, what it records. `run_training(stage)` does the rest the same
+way for all: processes and the run lock, seeds, the DeepSpeed engine and its config, resume through the
+run-layout check, divergence, checkpoints, logging, the graceful stop.
 
 Runs as one process (`python -m ...`) or several (`torchrun` / `deepspeed` / Slurm through `launch`);
 DeepSpeed ZeRO shards optimizer state (stage 1), gradients (2) and parameters (3) across them.
@@ -37,9 +39,9 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import deepspeed
 import numpy as np
@@ -86,7 +88,7 @@ class LoopOptions:
     sync_batchnorm: bool = True     # GPUs, several processes
     channels_last: bool = False     # GPUs
     device: str = "auto"            # auto (CUDA when available) | cpu
-    threads: int = 0                # CPU threads per process; 0: its share of the cores (pretrain/runtime/cpu_threads.py)
+    threads: int = 0                # CPU threads per process; 0: its share of the cores (cpu_threads.py)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> LoopOptions:
@@ -274,10 +276,9 @@ def run_training(stage: Stage) -> Any:
     threads = configure_threads(o.threads)              # after the launcher's LOCAL_WORLD_SIZE is known
     if rank == 0 and device.type == "cpu":
         print(f"{world_size} process(es) on the CPU, {threads} thread(s) each (engine.threads)", flush=True)
-    run_dir = stage.run_dir
-    created = first_missing_directory(run_dir)          # what a refused fresh start must not leave behind
+    created = first_missing_directory(stage.run_dir)    # what a refused fresh start must not leave behind
     try:
-        return train_in_run_directory(stage, o, rank, world_size, device, run_dir)
+        return train_in_run_directory(stage, rank, world_size, device)
     except stage.input_errors:                          # bad input found while building the data or the task
         if rank == 0 and created is not None and not any(created.rglob("trainer_state.json")):
             shutil.rmtree(created, ignore_errors=True)
@@ -305,148 +306,253 @@ def first_missing_directory(path: Path) -> Path | None:
     return missing
 
 
-def train_in_run_directory(stage: Stage, o, rank: int, world_size: int, device: torch.device, run_dir: Path) -> Any:
-    """`run_training` from the run directory's lock on (see there)."""
+def train_in_run_directory(stage: Stage, rank: int, world_size: int, device: torch.device) -> Any:
+    """`run_training` from the run directory's lock on: prepare the run, train its epochs, finish."""
     # Signals are honoured from here on: one that arrives during the set-up stops the run after its first step.
-    with GracefulStop() as stop, locked_run_directory(run_dir, rank):
-        stage.check_resumable()                         # on every rank: a refused start ends all of them
-        if rank == 0:
-            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        stage.seed_generators()
-        bf16 = o.precision == "bf16" or (o.precision == "auto" and device.type == "cuda")
-
-        # ==== data, task, optimizer and schedules, DeepSpeed engine ====
-        loader = stage.build_loader(rank, world_size, device)
-        steps_per_epoch = len(loader) // o.grad_accum
-        task = stage.build_task(steps_per_epoch, device)
-        if device.type == "cuda" and world_size > 1 and o.sync_batchnorm:
-            task = nn.SyncBatchNorm.convert_sync_batchnorm(task)   # never on CPU: it raises there
-        if device.type == "cuda" and o.channels_last:
-            task = task.to(memory_format=torch.channels_last)      # convolutions then run NHWC (tensor cores)
-        schedules = stage.schedules(steps_per_epoch, o.batch_size * world_size * o.grad_accum)
-        optimizer = stage.build_optimizer(task, schedules.peak_lr)
-        engine, optimizer, gradient_edits = initialize_engine(task, optimizer, o)
-
-        # ==== resume: the newest checkpoint that loads, else a fresh start ====
-        checkpointer = Checkpointer(engine, task, stage, run_layout(o, world_size, loader.num_images))
-        resumed_at = checkpointer.resume()
-        epoch, start_batch, trained_seconds = resumed_at or (0, 0, 0.0)
-        if resumed_at is not None:
-            if start_batch >= len(loader):
-                epoch, start_batch = epoch + 1, 0
-            if rank == 0:
-                print(f"resumed {run_dir} at step {engine.global_steps} (epoch {epoch}, batch {start_batch})",
-                      flush=True)
-        else:
-            stage.check_fresh_start()
-        stage.record(task, steps_per_epoch, rank)
-        total_steps = o.epochs * steps_per_epoch
-        stop_step = min(total_steps, o.max_steps) if o.max_steps > 0 else total_steps
-        # A time budget (engine.max_minutes) ends the run at the first step whose agreed training clock reaches it;
-        # minute marks (engine.checkpoint_every_minutes) checkpoint at the first step past each.
-        budget_s, mark_s = 60 * o.max_minutes, 60 * o.checkpoint_every_minutes
-        out_of_time = budget_s > 0 and trained_seconds >= budget_s
-        next_mark_s = (math.floor(trained_seconds / mark_s) + 1) * mark_s if mark_s else math.inf
-        monitor = TrainingMonitor(run_dir, stop_step, enabled=rank == 0, print_every_steps=o.print_every_steps,
-                                  resumed_step=engine.global_steps if resumed_at is not None else None)
-        if resumed_at is not None:
-            # The resumed checkpoint's export is written again: a finished run rerun repairs a damaged
-            # RUN_DIR/backbone.pth (a truncated copy, a full disk) rather than reporting "done", and a run killed
-            # between a checkpoint and its export gets the export every checkpoint has (an evaluation mark's).
-            task.write_export(run_dir, resumed_at[0], engine.global_steps)
-
-        # ==== training loop ====
-        engine.train()
-        step = engine.global_steps                       # optimizer steps taken
-        clock = TrainingClock(trained_seconds)
+    with GracefulStop() as stop, locked_run_directory(stage.run_dir, rank):
+        run = prepare_run(stage, rank, world_size, device, stop)
         try:
-            while epoch < o.epochs and step < stop_step and not out_of_time:
-                waited, images, window_start = 0.0, 0, time.perf_counter()
-                batch_index = start_batch
-                # closing(): FFCV's decode thread is stopped and joined when the loop is left early
-                with closing(loader.epoch(epoch, start_batch=start_batch)) as batches:
-                    for _ in range(start_batch // o.grad_accum, steps_per_epoch):
-                        set_schedule_values(optimizer, schedules.lr[step], schedules.weight_decay[step],
-                                            schedules.peak_lr, step)
-                        step_sums: dict[str, float] = {}
-                        for _ in range(o.grad_accum):
-                            tick = time.perf_counter()
-                            batch = next(batches, None)
-                            if batch is None:
-                                raise RuntimeError(f"the loader ended epoch {epoch} after {batch_index} of its "
-                                                   f"{len(loader)} micro-batches")
-                            waited += time.perf_counter() - tick
-                            position = BatchPosition(o.seed, rank, epoch, batch_index)
-                            try:
-                                result = train_step(engine, task, batch, position, bf16, gradient_edits)
-                            except NonFiniteLoss as error:
-                                raise checkpointer.diverged(f"the loss is {error.value} in step {step + 1}, which "
-                                                            "was not applied", epoch) from None
-                            batch_index += 1
-                            images += batch.batch_size * world_size
-                            for name, value in {"train/loss": result.loss.item(), **result.scalars}.items():
-                                step_sums[name] = step_sums.get(name, 0.0) + value
-                        step += 1
-                        if engine.global_steps != step:
-                            raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps where the loop "
-                                               f"counted {step}: gradient_accumulation_steps disagrees")
-                        task.after_step(step)
-                        # One all-reduce: a stop signal on any process, and the training clock every process
-                        # stops and checkpoints by.
-                        with record_function("hardview/stop_signal_check"):
-                            signum, trained_seconds = stop.agree(device, clock.seconds())
-                        out_of_time = budget_s > 0 and trained_seconds >= budget_s
-                        last = step == stop_step or out_of_time
-                        epoch_end = batch_index == len(loader)
-                        with clock.paused():
-                            epoch_scalars = task.after_epoch(engine, epoch, step) if epoch_end or last else {}
-
-                        # ---- logging: the step's mean over its micro-batches and over the processes ----
-                        with record_function("hardview/logging"):
-                            if step % o.log_every_steps == 0 or last or epoch_scalars:
-                                elapsed = time.perf_counter() - window_start
-                                averaged = {**{name: total / o.grad_accum for name, total in step_sums.items()},
-                                            **task.scalars()}
-                                values = torch.tensor(list(averaged.values()), device=device, dtype=torch.float32)
-                                dist.all_reduce(values)
-                                monitor.log(step, epoch, {**dict(zip(averaged, (values / world_size).tolist())),
-                                                          "train/lr": float(schedules.lr[step - 1]),
-                                                          "train/weight_decay": float(schedules.weight_decay[step - 1]),
-                                                          "perf/images_per_s": images / max(elapsed, 1e-9),
-                                                          "perf/data_wait_frac": waited / max(elapsed, 1e-9),
-                                                          "perf/load_average_1min": os.getloadavg()[0],
-                                                          "perf/cpu_cores": os.cpu_count() or 0,
-                                                          "perf/cpu_threads": torch.get_num_threads(),
-                                                          "perf/training_seconds": trained_seconds,
-                                                          **epoch_scalars})
-                                waited, images, window_start = 0.0, 0, time.perf_counter()
-                        if result.images is not None and o.image_grid_every_steps and \
-                                step % o.image_grid_every_steps == 0:
-                            for tag, grid in result.images().items():
-                                monitor.log_images(step, tag, grid)
-
-                        # ---- checkpoint; stop on a signal ----
-                        every = o.checkpoint_every_steps
-                        at_mark = trained_seconds >= next_mark_s
-                        if (every and step % every == 0) or (epoch_end and not mark_s) or last or at_mark:
-                            with record_function("hardview/checkpoint"), clock.paused():
-                                checkpointer.save(epoch, batch_index, trained_seconds)
-                        if at_mark:
-                            next_mark_s = (math.floor(trained_seconds / mark_s) + 1) * mark_s
-                        if last:                        # the run is complete: a late signal changes nothing
-                            break
-                        if signum:
-                            if checkpointer.saved_step != step:
-                                checkpointer.save(epoch, batch_index, trained_seconds)
-                            raise StopRequested(f"stopped on a signal after step {step}, saved in "
-                                                f"{checkpointer.directory / f'step{step:08d}'}; rerun the same "
-                                                "command to resume", signum)
-                epoch, start_batch = epoch + 1, 0
+            while run.epoch < run.options.epochs and run.step < run.stop_step and not run.out_of_time:
+                train_one_epoch(run)
+                run.epoch, run.batch_in_epoch = run.epoch + 1, 0
         finally:
-            monitor.close()
-
-        outcome = stage.finish(engine, task, step, epoch, rank)
+            run.monitor.close()
+        outcome = stage.finish(run.engine, run.task, run.step, run.epoch, rank)
         dist.barrier()
     return outcome
+
+
+def train_one_epoch(run: Run) -> None:
+    """The optimizer steps of epoch `run.epoch` from micro-batch `run.batch_in_epoch` on, to the epoch's end or the
+    run's (its last step, its time budget); a stop signal saves a checkpoint and raises StopRequested."""
+    o, schedules = run.options, run.schedules
+    run.window = LogWindow()
+    # closing(): FFCV's decode thread is stopped and joined when the loop is left early
+    with closing(run.loader.epoch(run.epoch, start_batch=run.batch_in_epoch)) as batches:
+        for _ in range(run.batch_in_epoch // o.grad_accum, run.steps_per_epoch):
+            set_schedule_values(run.optimizer, schedules.lr[run.step], schedules.weight_decay[run.step],
+                                schedules.peak_lr, run.step)
+            step_sums, result = optimizer_step(run, batches)       # grad_accum x (loss -> backward), step
+            run.task.after_step(run.step)                          # EMA teacher, queues
+            signum = agree_on_stop(run)                            # a signal on any process; the time budget
+            last = run.step == run.stop_step or run.out_of_time
+            epoch_end = run.batch_in_epoch == len(run.loader)
+            with run.clock.paused():                               # an evaluation is not training time
+                epoch_scalars = run.task.after_epoch(run.engine, run.epoch, run.step) if epoch_end or last else {}
+
+            log_step(run, step_sums, epoch_scalars, last)
+            log_image_grids(run, result)
+            checkpoint_if_due(run, epoch_end, last)
+            if last:                                               # the run is complete: a late signal changes nothing
+                return
+            if signum:
+                stop_on_signal(run, signum)
+
+
+@dataclass
+class LogWindow:
+    """The images trained and the seconds spent waiting for data since the last logged step (or the epoch's start):
+    the throughput a logged step reports."""
+
+    start: float = field(default_factory=time.perf_counter)
+    images: int = 0
+    waited: float = 0.0
+
+
+@dataclass
+class Run:
+    """What the epoch loop trains with (built by `prepare_run`) and where it stands."""
+
+    stage: Stage
+    options: LoopOptions
+    rank: int
+    world_size: int
+    device: torch.device
+    bf16: bool                      # the task's forwards under autocast(bfloat16)
+    loader: EpochLoader
+    steps_per_epoch: int
+    task: TrainingTask
+    engine: Any                     # DeepSpeed's engine around `task`
+    optimizer: torch.optim.Optimizer
+    gradient_edits: GradientEdits
+    schedules: Schedules
+    checkpointer: Checkpointer
+    monitor: TrainingMonitor
+    stop: GracefulStop
+    clock: TrainingClock
+    stop_step: int                  # the last step: engine.max_steps, else the schedules' end
+    budget_s: float                 # engine.max_minutes in seconds (0: no time budget)
+    mark_s: float                   # engine.checkpoint_every_minutes in seconds (0: checkpoints at epoch ends)
+    next_mark_s: float              # the training clock's next minute mark (inf: none)
+    epoch: int
+    batch_in_epoch: int             # the epoch's next micro-batch
+    step: int                       # optimizer steps taken
+    trained_seconds: float          # the training clock as every process agreed at the last step
+    out_of_time: bool
+    window: LogWindow = field(default_factory=LogWindow)
+
+
+def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, stop: GracefulStop) -> Run:
+    """The data, the task, the optimizer and its schedules, the DeepSpeed engine, the newest checkpoint that loads
+    (else a fresh start), the monitor and the training clock: the `Run` the epoch loop trains."""
+    o = stage.options
+    stage.check_resumable()                         # on every rank: a refused start ends all of them
+    if rank == 0:
+        (stage.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    stage.seed_generators()
+
+    # ==== data, task, optimizer and schedules, DeepSpeed engine ====
+    loader = stage.build_loader(rank, world_size, device)
+    steps_per_epoch = len(loader) // o.grad_accum
+    task = place_task(stage.build_task(steps_per_epoch, device), o, world_size, device)
+    schedules = stage.schedules(steps_per_epoch, o.batch_size * world_size * o.grad_accum)
+    optimizer = stage.build_optimizer(task, schedules.peak_lr)
+    engine, optimizer, gradient_edits = initialize_engine(task, optimizer, o)
+
+    # ==== resume: the newest checkpoint that loads, else a fresh start ====
+    checkpointer = Checkpointer(engine, task, stage, run_layout(o, world_size, loader.num_images))
+    resumed_at = checkpointer.resume()
+    epoch, batch_in_epoch, trained_seconds = resumed_at or (0, 0, 0.0)
+    if resumed_at is not None:
+        if batch_in_epoch >= len(loader):
+            epoch, batch_in_epoch = epoch + 1, 0
+        if rank == 0:
+            print(f"resumed {stage.run_dir} at step {engine.global_steps} (epoch {epoch}, batch {batch_in_epoch})",
+                  flush=True)
+    else:
+        stage.check_fresh_start()
+    stage.record(task, steps_per_epoch, rank)
+    total_steps = o.epochs * steps_per_epoch
+    stop_step = min(total_steps, o.max_steps) if o.max_steps > 0 else total_steps
+    monitor = TrainingMonitor(stage.run_dir, stop_step, enabled=rank == 0, print_every_steps=o.print_every_steps,
+                              resumed_step=engine.global_steps if resumed_at is not None else None)
+    if resumed_at is not None:
+        # The resumed checkpoint's export is written again: a finished run rerun repairs a damaged
+        # RUN_DIR/backbone.pth (a truncated copy, a full disk) rather than reporting "done", and a run killed
+        # between a checkpoint and its export gets the export every checkpoint has (an evaluation mark's).
+        task.write_export(stage.run_dir, resumed_at[0], engine.global_steps)
+    engine.train()
+    # A time budget (engine.max_minutes) ends the run at the first step whose agreed training clock reaches it;
+    # minute marks (engine.checkpoint_every_minutes) checkpoint at the first step past each.
+    budget_s, mark_s = 60 * o.max_minutes, 60 * o.checkpoint_every_minutes
+    return Run(stage=stage, options=o, rank=rank, world_size=world_size, device=device,
+               bf16=o.precision == "bf16" or (o.precision == "auto" and device.type == "cuda"), loader=loader,
+               steps_per_epoch=steps_per_epoch, task=task, engine=engine, optimizer=optimizer,
+               gradient_edits=gradient_edits, schedules=schedules, checkpointer=checkpointer, monitor=monitor,
+               stop=stop, clock=TrainingClock(trained_seconds), stop_step=stop_step, budget_s=budget_s, mark_s=mark_s,
+               next_mark_s=next_minute_mark(trained_seconds, mark_s), epoch=epoch, batch_in_epoch=batch_in_epoch,
+               step=engine.global_steps, trained_seconds=trained_seconds,
+               out_of_time=budget_s > 0 and trained_seconds >= budget_s)
+
+
+def place_task(task: TrainingTask, options: LoopOptions, world_size: int, device: torch.device) -> TrainingTask:
+    """The task as it trains on `device`: SyncBatchNorm across several GPUs (engine.sync_batchnorm; never on CPU,
+    where it raises), channels-last memory on GPUs (engine.channels_last: convolutions then run NHWC)."""
+    if device.type == "cuda" and world_size > 1 and options.sync_batchnorm:
+        task = nn.SyncBatchNorm.convert_sync_batchnorm(task)
+    if device.type == "cuda" and options.channels_last:
+        task = task.to(memory_format=torch.channels_last)
+    return task
+
+
+def next_minute_mark(trained_seconds: float, mark_s: float) -> float:
+    """The first multiple of `mark_s` past `trained_seconds` (inf when there are no minute marks)."""
+    return (math.floor(trained_seconds / mark_s) + 1) * mark_s if mark_s else math.inf
+
+
+def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, float], BatchLoss]:
+    """One optimizer step: `train_step` on each of its grad_accum micro-batches (DeepSpeed steps the optimizer after
+    the last). Returns the sums of the micro-batches' logged values and the last one's result; a non-finite loss is
+    a divergence (raised, on every rank, before the step is applied)."""
+    o = run.options
+    step_sums: dict[str, float] = {}
+    for _ in range(o.grad_accum):
+        tick = time.perf_counter()
+        batch = next(batches, None)
+        if batch is None:
+            raise RuntimeError(f"the loader ended epoch {run.epoch} after {run.batch_in_epoch} of its "
+                               f"{len(run.loader)} micro-batches")
+        run.window.waited += time.perf_counter() - tick
+        position = BatchPosition(o.seed, run.rank, run.epoch, run.batch_in_epoch)
+        try:
+            result = train_step(run.engine, run.task, batch, position, run.bf16, run.gradient_edits)
+        except NonFiniteLoss as error:
+            raise run.checkpointer.diverged(f"the loss is {error.value} in step {run.step + 1}, which was not "
+                                            "applied", run.epoch) from None
+        run.batch_in_epoch += 1
+        run.window.images += batch.batch_size * run.world_size
+        for name, value in {"train/loss": result.loss.item(), **result.scalars}.items():
+            step_sums[name] = step_sums.get(name, 0.0) + value
+    run.step += 1
+    if run.engine.global_steps != run.step:
+        raise RuntimeError(f"DeepSpeed took {run.engine.global_steps} optimizer steps where the loop counted "
+                           f"{run.step}: gradient_accumulation_steps disagrees")
+    return step_sums, result
+
+
+def agree_on_stop(run: Run) -> int | None:
+    """One all-reduce: a stop signal on any process (its number), and the training clock every process stops and
+    checkpoints by (`run.trained_seconds`, `run.out_of_time`)."""
+    with record_function("hardview/stop_signal_check"):
+        signum, run.trained_seconds = run.stop.agree(run.device, run.clock.seconds())
+    run.out_of_time = run.budget_s > 0 and run.trained_seconds >= run.budget_s
+    return signum
+
+
+def log_step(run: Run, step_sums: dict[str, float], epoch_scalars: dict[str, float], last: bool) -> None:
+    """Every engine.log_every_steps, at the last step and with an epoch's scalars: the step's mean over its
+    micro-batches and over the processes (one all-reduce), the schedules' values, the throughput since the last
+    logged step."""
+    o, step = run.options, run.step
+    with record_function("hardview/logging"):
+        if not (step % o.log_every_steps == 0 or last or epoch_scalars):
+            return
+        elapsed = time.perf_counter() - run.window.start
+        averaged = {**{name: total / o.grad_accum for name, total in step_sums.items()}, **run.task.scalars()}
+        values = torch.tensor(list(averaged.values()), device=run.device, dtype=torch.float32)
+        dist.all_reduce(values)
+        run.monitor.log(step, run.epoch, {**dict(zip(averaged, (values / run.world_size).tolist())),
+                                          "train/lr": float(run.schedules.lr[step - 1]),
+                                          "train/weight_decay": float(run.schedules.weight_decay[step - 1]),
+                                          "perf/images_per_s": run.window.images / max(elapsed, 1e-9),
+                                          "perf/data_wait_frac": run.window.waited / max(elapsed, 1e-9),
+                                          "perf/load_average_1min": os.getloadavg()[0],
+                                          "perf/cpu_cores": os.cpu_count() or 0,
+                                          "perf/cpu_threads": torch.get_num_threads(),
+                                          "perf/training_seconds": run.trained_seconds,
+                                          **epoch_scalars})
+        run.window = LogWindow()
+
+
+def log_image_grids(run: Run, result: BatchLoss) -> None:
+    """Every engine.image_grid_every_steps: the images of the step's last micro-batch (hard view selection's pool
+    and choice), when the task shows any."""
+    every = run.options.image_grid_every_steps
+    if result.images is not None and every and run.step % every == 0:
+        for tag, grid in result.images().items():
+            run.monitor.log_images(run.step, tag, grid)
+
+
+def checkpoint_if_due(run: Run, epoch_end: bool, last: bool) -> None:
+    """A checkpoint (and the task's export) every engine.checkpoint_every_steps, at epoch ends unless minute marks
+    replace them, at the first step past each minute mark (engine.checkpoint_every_minutes), and at the last step.
+    Its writing is not training time."""
+    every = run.options.checkpoint_every_steps
+    at_mark = run.trained_seconds >= run.next_mark_s
+    if (every and run.step % every == 0) or (epoch_end and not run.mark_s) or last or at_mark:
+        with record_function("hardview/checkpoint"), run.clock.paused():
+            run.checkpointer.save(run.epoch, run.batch_in_epoch, run.trained_seconds)
+    if at_mark:
+        run.next_mark_s = next_minute_mark(run.trained_seconds, run.mark_s)
+
+
+def stop_on_signal(run: Run, signum: int) -> NoReturn:
+    """A stop signal reached some process: save this step's checkpoint (unless it was just saved), then end the run
+    with StopRequested, on every rank."""
+    if run.checkpointer.saved_step != run.step:
+        run.checkpointer.save(run.epoch, run.batch_in_epoch, run.trained_seconds)
+    raise StopRequested(f"stopped on a signal after step {run.step}, saved in "
+                        f"{run.checkpointer.directory / f'step{run.step:08d}'}; rerun the same command to resume",
+                        signum)
