@@ -25,7 +25,8 @@ from pretrain.methods import build_method, method_module
 from pretrain.methods.base import Method
 from pretrain.runtime.atomic_write import write_text_atomically
 from pretrain.runtime.checkpoint import check_resumable
-from pretrain.runtime.loop import ConfiguredStage, run_training
+from pretrain.runtime.loop import run_training
+from pretrain.runtime.stage import ConfiguredStage
 
 
 class Pretraining(ConfiguredStage):

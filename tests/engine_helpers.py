@@ -31,7 +31,8 @@ def views_and_boxes(cfg, generator: torch.Generator):
 def engine_for(cfg, method):
     """(engine, optimizer, gradient_edits) as the training loop builds them
     (`pretrain.runtime.loop.initialize_engine`)."""
-    from pretrain.runtime.loop import LoopOptions, initialize_engine
+    from pretrain.runtime.loop import initialize_engine
+    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.optim import build_optimizer
 
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)

@@ -50,7 +50,8 @@ def test_overflowed_batchnorm_statistics_are_a_divergence_the_checkpoint_refuses
 
     from pretrain.runtime.distributed import first_non_finite_tensor, parameters_finite_on_every_rank
     from pretrain.runtime.divergence import TrainingDiverged
-    from pretrain.runtime.loop import Checkpointer, ConfiguredStage
+    from pretrain.runtime.checkpoint import Checkpointer
+    from pretrain.runtime.stage import ConfiguredStage
 
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     assert first_non_finite_tensor(net) is None and parameters_finite_on_every_rank(net)

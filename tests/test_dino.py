@@ -370,7 +370,8 @@ def two_process_worker(out_dir: Path) -> None:
 
     from pretrain.data.views import ViewBatch
     from pretrain.runtime.distributed import init_distributed
-    from pretrain.runtime.loop import LoopOptions, initialize_engine, train_step
+    from pretrain.runtime.loop import initialize_engine, train_step
+    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.task import BatchPosition
 
     rank, world, _ = init_distributed()

@@ -10,7 +10,7 @@
         log_step, log_image_grids -> checkpoint_if_due (+ task.write_export) -> [stop signal: stop_on_signal]
 
 A stage (pretrain/pretraining.py, transfer/finetune_stage.py, transfer/detection.py) describes its run as a
-`Stage`: its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the engine wraps, which turns a
+`Stage` (pretrain/runtime/stage.py): its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the engine wraps, which turns a
 batch into a loss), its optimizer and schedules, what it records. `run_training(stage)` does the rest the same
 way for all: processes and the run lock, seeds, the DeepSpeed engine and its config, resume through the
 run-layout check, divergence, checkpoints, logging, the graceful stop.
@@ -41,161 +41,25 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import deepspeed
-import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.profiler import record_function
 
 from pretrain.runtime.checkpoint import Checkpointer, run_layout
-from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.cpu_threads import configure_threads
 from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
 from pretrain.runtime.divergence import NonFiniteLoss
 from pretrain.runtime.graceful_stop import GracefulStop, StopRequested
 from pretrain.runtime.gradient_edits import GradientEdits
 from pretrain.runtime.monitor import TrainingMonitor
-from pretrain.runtime.optim import (Schedules, build_optimizer, divergence_advice, schedules_from_config,
-                                    set_schedule_values)
+from pretrain.runtime.optim import Schedules, set_schedule_values
 from pretrain.runtime.run_lock import locked_run_directory
+from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config
 from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
-
-@dataclass(frozen=True)
-class LoopOptions:
-    """The settings the loop reads; pretraining and fine-tuning take them from their `optim.*` / `engine.*` keys
-    (`from_config`), detection from its `train.*` keys."""
-
-    epochs: int
-    batch_size: int                 # per process and micro-batch
-    grad_accum: int = 1             # micro-batches per optimizer step
-    grad_clip: float = 0.0          # max global gradient norm; 0: no clipping
-    grad_clip_per_parameter: float = 0.0   # max gradient norm of each parameter tensor (DINO's); 0: none
-    seed: int = 0
-    zero_stage: int = 0
-    precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
-    max_steps: int = 0              # stop after this many optimizer steps (0: all epochs); schedules span all
-    max_minutes: float = 0.0        # stop after this many minutes of training (TrainingClock; 0: no time budget)
-    log_every_steps: int = 10
-    print_every_steps: int = 10
-    checkpoint_every_steps: int = 0  # 0: at epoch ends (and the last step) only
-    checkpoint_every_minutes: float = 0.0   # of training, in place of the epoch ends' (0: at epoch ends)
-    keep_checkpoints: int = 0       # 0: keep all
-    image_grid_every_steps: int = 0
-    sync_batchnorm: bool = True     # GPUs, several processes
-    channels_last: bool = False     # GPUs
-    device: str = "auto"            # auto (CUDA when available) | cpu
-    threads: int = 0                # CPU threads per process; 0: its share of the cores (cpu_threads.py)
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> LoopOptions:
-        e = cfg.engine
-        return cls(epochs=cfg.optim.epochs, batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum,
-                   grad_clip=float(cfg.optim.grad_clip),
-                   grad_clip_per_parameter=float(cfg.optim.grad_clip_per_parameter), seed=cfg.seed, zero_stage=e.zero_stage,
-                   precision=e.precision, max_steps=e.max_steps, max_minutes=float(e.get("max_minutes", 0.0)),
-                   log_every_steps=e.log_every_steps, print_every_steps=e.print_every_steps,
-                   checkpoint_every_steps=e.checkpoint_every_steps,
-                   checkpoint_every_minutes=float(e.get("checkpoint_every_minutes", 0.0)),
-                   keep_checkpoints=e.keep_checkpoints,
-                   image_grid_every_steps=e.get("image_grid_every_steps", 0), sync_batchnorm=e.sync_batchnorm,
-                   channels_last=e.channels_last, threads=e.get("threads", 0))
-
-
-def deepspeed_config(options: LoopOptions) -> dict:
-    """The DeepSpeed config of a run. `gradient_clipping` is always written: left out, DeepSpeed clips at 1.0."""
-    return {
-        "train_micro_batch_size_per_gpu": options.batch_size,
-        "gradient_accumulation_steps": options.grad_accum,
-        "gradient_clipping": float(options.grad_clip),
-        "zero_optimization": {"stage": options.zero_stage},
-        "zero_allow_untested_optimizer": True,   # our optimizers are plain torch ones (LARS is not DeepSpeed's)
-        "steps_per_print": 1 << 30,
-    }
-
-
-class EpochLoader(Protocol):
-    """What the loop reads batches from: `len()` micro-batches per epoch and process (a multiple of grad_accum),
-    `epoch(e, start_batch=k)` the micro-batches of epoch e from k on, `num_images` for the run-layout check."""
-
-    num_images: int
-
-    def __len__(self) -> int: ...
-
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]: ...
-
-
-class Stage:
-    """A run of a stage that trains, described for `run_training`. Subclasses set `name`, `run_dir` and `options`
-    and define `build_loader`, `build_task`, `schedules` and `build_optimizer`; the other hooks have defaults."""
-
-    name = "training"               # in messages: "training diverged in epoch ..."
-    run_dir: Path
-    options: LoopOptions
-    # The errors of bad input that building the data or the task may raise: a start that raises one removes the
-    # run directory it created (a refused start leaves nothing behind). Pretraining adds its DatasetError.
-    input_errors: tuple[type[Exception], ...] = (ConfigError,)
-
-    def check_inputs(self) -> None:
-        """Before any process group or worker starts: raise for inputs that cannot work."""
-
-    def check_resumable(self) -> None:
-        """On every rank, before anything is written: refuse a run directory that holds another run."""
-
-    def check_fresh_start(self) -> None:
-        """When there is no checkpoint to resume: refuse if starting afresh would overwrite something."""
-
-    def divergence_advice(self) -> str:
-        """What to try when the run diverged, naming the stage's keys."""
-        return "Try a lower learning rate, gradient clipping or a longer warm-up."
-
-    def seed_generators(self) -> None:
-        import random
-        random.seed(self.options.seed)
-        np.random.seed(self.options.seed)
-        torch.manual_seed(self.options.seed)
-
-    def build_loader(self, rank: int, world_size: int, device: torch.device) -> EpochLoader:
-        """This rank's loader; raise ConfigError when it holds fewer than grad_accum micro-batches."""
-        raise NotImplementedError
-
-    def build_task(self, steps_per_epoch: int, device: torch.device) -> TrainingTask:
-        raise NotImplementedError
-
-    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
-        raise NotImplementedError
-
-    def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
-        raise NotImplementedError
-
-    def record(self, task: TrainingTask, steps_per_epoch: int, rank: int) -> None:
-        """After the resume decision (a refused start must not overwrite the record of the run it clashed with):
-        write what ran (RUN_DIR/config.yaml) and say so, on rank 0."""
-
-    def finish(self, engine, task: TrainingTask, step: int, epoch: int, rank: int) -> Any:
-        """After the last step, on every rank; what `run_training` returns."""
-        return None
-
-
-class ConfiguredStage(Stage):
-    """A stage whose config has the `optim.*` / `engine.*` schema of pretraining and fine-tuning: the loop's
-    options, the schedules, the optimizer over the task's groups and the divergence advice all come from it."""
-
-    def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
-        self.options = LoopOptions.from_config(cfg)
-
-    def divergence_advice(self) -> str:
-        return divergence_advice(self.cfg)
-
-    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
-        return schedules_from_config(self.cfg, steps_per_epoch, global_batch)
-
-    def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
-        return build_optimizer(self.cfg, task.param_groups(), peak_lr)
 
 
 class TrainingClock:

@@ -1,0 +1,153 @@
+"""What a stage that trains gives the training loop (pretrain/runtime/loop.py): its `LoopOptions` (the settings
+the loop reads) and a `Stage` (its data, task, optimizer and schedules, what it records). `ConfiguredStage` is the
+stage whose config has the shared `optim.*` / `engine.*` schema; the DeepSpeed config is built from the options.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.optim import Schedules, build_optimizer, divergence_advice, schedules_from_config
+from pretrain.runtime.task import TrainingTask
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """The settings the loop reads; pretraining and fine-tuning take them from their `optim.*` / `engine.*` keys
+    (`from_config`), detection from its `train.*` keys."""
+
+    epochs: int
+    batch_size: int                 # per process and micro-batch
+    grad_accum: int = 1             # micro-batches per optimizer step
+    grad_clip: float = 0.0          # max global gradient norm; 0: no clipping
+    grad_clip_per_parameter: float = 0.0   # max gradient norm of each parameter tensor (DINO's); 0: none
+    seed: int = 0
+    zero_stage: int = 0
+    precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
+    max_steps: int = 0              # stop after this many optimizer steps (0: all epochs); schedules span all
+    max_minutes: float = 0.0        # stop after this many minutes of training (TrainingClock; 0: no time budget)
+    log_every_steps: int = 10
+    print_every_steps: int = 10
+    checkpoint_every_steps: int = 0  # 0: at epoch ends (and the last step) only
+    checkpoint_every_minutes: float = 0.0   # of training, in place of the epoch ends' (0: at epoch ends)
+    keep_checkpoints: int = 0       # 0: keep all
+    image_grid_every_steps: int = 0
+    sync_batchnorm: bool = True     # GPUs, several processes
+    channels_last: bool = False     # GPUs
+    device: str = "auto"            # auto (CUDA when available) | cpu
+    threads: int = 0                # CPU threads per process; 0: its share of the cores (cpu_threads.py)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> LoopOptions:
+        optim, engine = cfg.optim, cfg.engine
+        return cls(epochs=optim.epochs, batch_size=cfg.data.batch_size, grad_accum=optim.grad_accum,
+                   grad_clip=float(optim.grad_clip), grad_clip_per_parameter=float(optim.grad_clip_per_parameter),
+                   seed=cfg.seed, zero_stage=engine.zero_stage, precision=engine.precision,
+                   max_steps=engine.max_steps, max_minutes=float(engine.get("max_minutes", 0.0)),
+                   log_every_steps=engine.log_every_steps, print_every_steps=engine.print_every_steps,
+                   checkpoint_every_steps=engine.checkpoint_every_steps,
+                   checkpoint_every_minutes=float(engine.get("checkpoint_every_minutes", 0.0)),
+                   keep_checkpoints=engine.keep_checkpoints,
+                   image_grid_every_steps=engine.get("image_grid_every_steps", 0),
+                   sync_batchnorm=engine.sync_batchnorm, channels_last=engine.channels_last,
+                   threads=engine.get("threads", 0))
+
+
+def deepspeed_config(options: LoopOptions) -> dict:
+    """The DeepSpeed config of a run. `gradient_clipping` is always written: left out, DeepSpeed clips at 1.0."""
+    return {
+        "train_micro_batch_size_per_gpu": options.batch_size,
+        "gradient_accumulation_steps": options.grad_accum,
+        "gradient_clipping": float(options.grad_clip),
+        "zero_optimization": {"stage": options.zero_stage},
+        "zero_allow_untested_optimizer": True,   # our optimizers are plain torch ones (LARS is not DeepSpeed's)
+        "steps_per_print": 1 << 30,
+    }
+
+
+class EpochLoader(Protocol):
+    """What the loop reads batches from: `len()` micro-batches per epoch and process (a multiple of grad_accum),
+    `epoch(e, start_batch=k)` the micro-batches of epoch e from k on, `num_images` for the run-layout check."""
+
+    num_images: int
+
+    def __len__(self) -> int: ...
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]: ...
+
+
+class Stage:
+    """A run of a stage that trains, described for `run_training`. Subclasses set `name`, `run_dir` and `options`
+    and define `build_loader`, `build_task`, `schedules` and `build_optimizer`; the other hooks have defaults."""
+
+    name = "training"               # in messages: "training diverged in epoch ..."
+    run_dir: Path
+    options: LoopOptions
+    # The errors of bad input that building the data or the task may raise: a start that raises one removes the
+    # run directory it created (a refused start leaves nothing behind). Pretraining adds its DatasetError.
+    input_errors: tuple[type[Exception], ...] = (ConfigError,)
+
+    def check_inputs(self) -> None:
+        """Before any process group or worker starts: raise for inputs that cannot work."""
+
+    def check_resumable(self) -> None:
+        """On every rank, before anything is written: refuse a run directory that holds another run."""
+
+    def check_fresh_start(self) -> None:
+        """When there is no checkpoint to resume: refuse if starting afresh would overwrite something."""
+
+    def divergence_advice(self) -> str:
+        """What to try when the run diverged, naming the stage's keys."""
+        return "Try a lower learning rate, gradient clipping or a longer warm-up."
+
+    def seed_generators(self) -> None:
+        random.seed(self.options.seed)
+        np.random.seed(self.options.seed)
+        torch.manual_seed(self.options.seed)
+
+    def build_loader(self, rank: int, world_size: int, device: torch.device) -> EpochLoader:
+        """This rank's loader; raise ConfigError when it holds fewer than grad_accum micro-batches."""
+        raise NotImplementedError
+
+    def build_task(self, steps_per_epoch: int, device: torch.device) -> TrainingTask:
+        raise NotImplementedError
+
+    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
+        raise NotImplementedError
+
+    def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def record(self, task: TrainingTask, steps_per_epoch: int, rank: int) -> None:
+        """After the resume decision (a refused start must not overwrite the record of the run it clashed with):
+        write what ran (RUN_DIR/config.yaml) and say so, on rank 0."""
+
+    def finish(self, engine, task: TrainingTask, step: int, epoch: int, rank: int) -> Any:
+        """After the last step, on every rank; what `run_training` returns."""
+        return None
+
+
+class ConfiguredStage(Stage):
+    """A stage whose config has the `optim.*` / `engine.*` schema of pretraining and fine-tuning: the loop's
+    options, the schedules, the optimizer over the task's groups and the divergence advice all come from it."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.options = LoopOptions.from_config(cfg)
+
+    def divergence_advice(self) -> str:
+        return divergence_advice(self.cfg)
+
+    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
+        return schedules_from_config(self.cfg, steps_per_epoch, global_batch)
+
+    def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
+        return build_optimizer(self.cfg, task.param_groups(), peak_lr)
