@@ -32,8 +32,8 @@ def engine_for(cfg, method):
     """(engine, optimizer, gradient_edits) as the training loop builds them
     (`pretrain.runtime.loop.initialize_engine`)."""
     from pretrain.runtime.loop import initialize_engine
-    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.optim import build_optimizer
+    from pretrain.runtime.stage import LoopOptions
 
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
     return initialize_engine(method, optimizer, LoopOptions.from_config(cfg))

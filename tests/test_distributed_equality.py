@@ -51,8 +51,8 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
     from pretrain.data.views import ViewBatch
     from pretrain.methods import build_method
     from pretrain.runtime.loop import initialize_engine, train_step
-    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.task import BatchPosition
 
     config, overrides = CASES[name]

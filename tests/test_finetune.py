@@ -197,8 +197,8 @@ def layer_decayed_step_errors() -> dict[str, float]:
 
     from pretrain.runtime.distributed import init_distributed
     from pretrain.runtime.loop import initialize_engine
-    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.stage import LoopOptions
     from transfer.classifier import Classifier, layer_decay_param_groups
     from transfer.finetune_config import load_finetune_config
 

@@ -202,8 +202,8 @@ def two_process_worker(out_dir: Path) -> None:
     from pretrain.data.views import ViewBatch
     from pretrain.runtime.distributed import init_distributed
     from pretrain.runtime.loop import initialize_engine, train_step
-    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.optim import build_optimizer, set_schedule_values
+    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.task import BatchPosition
 
     rank, world, _ = init_distributed()

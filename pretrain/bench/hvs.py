@@ -15,8 +15,8 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
     from pretrain.data.views import ViewBatch
     from pretrain.methods import build_method
     from pretrain.runtime.loop import initialize_engine, train_step
-    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.optim import build_optimizer
+    from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.task import BatchPosition
 
     torch.manual_seed(0)
