@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -159,3 +160,20 @@ def write_results(inputs: EvaluatedExport, protocol: str, top1: dict[str, float]
     if suffix:
         scalars = {re.sub(r"^eval/", f"eval{suffix}/", tag): value for tag, value in scalars.items()}
     return write_result(inputs.out_dir, protocol + suffix, export.step, result, scalars)
+
+
+def made_by(command: str) -> tuple[str, str]:
+    """Which command and which commit made a results table: (the sentence that says so, the commit). The commit is
+    `git rev-parse HEAD` of this checkout, marked when tracked files have uncommitted changes."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = (git("rev-parse", "HEAD") or "unknown (not a git checkout)") + \
+        (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return f"Made by `{command}` at commit {commit}.", commit

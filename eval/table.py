@@ -5,17 +5,21 @@ linear-probe top-1 of its final export (RUN_DIR/eval/knn_stepN.json, linear_step
 and `linear` first), the training's wall-clock minutes and median images/s, and the median 1-minute load average
 while it trained (RUN_DIR/metrics.jsonl: a load above the cores the run used says it shared the machine). A run
 without a result of its final step is named, not shown with an older one. The README's and docs' results tables
-are this command's output.
+are this command's output, with the sentence it ends with: the command and the commit that made it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shlex
 from pathlib import Path
 
 import numpy as np
 import yaml
+
+from eval.results import made_by
+from pretrain.runtime.atomic_write import write_text_atomically
 
 
 class TableInputError(ValueError):
@@ -91,11 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_table(args: argparse.Namespace) -> int:
     rows = [run_row(Path(run)) for run in args.runs]
-    table = markdown(rows)
+    command = shlex.join(["python", "-m", "eval", "table", *args.runs, *(["--out", args.out] if args.out else [])])
+    table = markdown(rows) + "\n\n" + made_by(command)[0]
     print(table)
     if args.out:
-        from pretrain.runtime.atomic_write import write_text_atomically
-
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(out, table + "\n")

@@ -2,6 +2,7 @@
 on a full disk, an error that names the file."""
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,10 @@ def test_the_results_table_is_read_from_what_the_runs_wrote(tmp_path, capsys):
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[2] == "| simclr | simclr | - | 78.71% | 83.84% | 1.5 | 340 | 1.75 |"      # the first rate left out
     assert table[3].startswith("| simclr_hvs | simclr | 6 pairs of 4 | 79.94% |")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parents[1], capture_output=True,
+                            text=True).stdout.strip()
+    assert table[-1].startswith(f"Made by `python -m eval table {plain} {selected} --out {tmp_path / 'table.md'}` "
+                                f"at commit {commit}")                   # the command and the commit that made it
     assert json.loads((tmp_path / "table.json").read_text())[1]["seed"] == 1
     unevaluated = finished_run("late", {"enabled": False}, 0.0, evaluated=False)
     assert main(["table", str(plain), str(unevaluated)]) == 2
