@@ -1,7 +1,7 @@
 """The configuration machinery every stage shares, and the `optim.*` / `engine.*` sections the training loop reads.
 
 A stage's config is a dataclass schema (pretraining's `pretrain/config.py`, fine-tuning's
-`transfer/finetune_config.py`, detection's) merged with a YAML file and dotted `key=value` overrides:
+`transfer/finetune/config.py`, detection's) merged with a YAML file and dotted `key=value` overrides:
 
     tree = read_config_file(path, "configs/pretrain/")
     cfg = merge_checked(OmegaConf.structured(Schema), tuple(schema_keys(Schema)), tree, parse_overrides(overrides),
