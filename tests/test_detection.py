@@ -16,7 +16,10 @@ import torch
 from pretrain.data.digits import digits_images, digits_split
 from pretrain.models import create_backbone
 from transfer.__main__ import main
-from transfer.detection import coco_box_metrics, detection_backbone, learning_rates, load_detection_config
+from transfer.detection.coco_metrics import coco_box_metrics
+from transfer.detection.config import load_detection_config
+from transfer.detection.stage import learning_rates
+from transfer.detection.task import detection_backbone
 from transfer.detector import OnePixelConv2d, ResNetC5BoxHead
 from transfer.digit_scenes import (DigitScenesError, render_moved_digit, render_scene, scene_generator, split_glyphs,
                                    write_digit_scenes, write_moved_digits)
@@ -248,7 +251,7 @@ def test_lr_schedule_warms_up_linearly_then_follows_a_cosine():
 def test_scene_loader_resumes_mid_epoch_with_the_same_batches_and_shards_each_global_batch(tiny_scenes):
     """Resuming at batch k of epoch e reads what the uninterrupted epoch read from batch k on; each epoch is a new
     permutation; two ranks split each global batch without overlap."""
-    from transfer.detection import SceneLoader, load_split
+    from transfer.detection.scenes import SceneLoader, load_split
 
     split = load_split(tiny_scenes["train_json"], tiny_scenes["train_images"])
     cpu = torch.device("cpu")

@@ -1,6 +1,6 @@
 """The digit-scenes detector: torchvision's Faster R-CNN in the R50-C4 layout of MoCo's detection protocol, on a
 timm ResNet (the stem and layer1-layer3 as the trunk, layer4 + pooling as the box head). How it is trained and
-evaluated: transfer/detection.py.
+evaluated: transfer/detection/.
 """
 from __future__ import annotations
 
