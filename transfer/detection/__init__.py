@@ -38,7 +38,7 @@ next to it (..._detections.json), and TensorBoard scalars on RUN_DIR/tb at the e
 `eval/detection_random_ap50` (`--from random`).
 
 Config: a YAML file (default configs/transfer/detection_digit_scenes.yaml) and `key=value` overrides of any key
-(values are YAML: `train.epochs=2`, `model.anchor_sizes=[16,32]`); an unknown key is refused with the closest
+(values are YAML: `optim.epochs=2`, `model.anchor_sizes=[16,32]`); an unknown key is refused with the closest
 valid one. The keys, their defaults and their meanings: transfer/detection/config.py.
 
 The parts: config.py (the keys), scenes.py (the data), task.py (the detector as the loop's task), stage.py (its
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (CUDA when available), cpu or cuda; under a launcher each process takes the GPU "
                              "of its LOCAL_RANK (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. train.epochs=2 data.root=/tmp/scenes model.norm=frozen")
+                        help="config overrides, e.g. optim.epochs=2 data.root=/tmp/scenes model.norm=frozen")
 
 
 def resolve_detection_inputs(args: argparse.Namespace, cfg: DictConfig) -> DetectionInputs:

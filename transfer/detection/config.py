@@ -1,6 +1,11 @@
 """The detection config: a typed schema, the YAML file configs/transfer/detection_digit_scenes.yaml, `key=value`
-overrides (values are YAML: `train.epochs=2`, `model.anchor_sizes=[16,32]`). An unknown key is refused with the
-closest valid one; every key, its default and its meaning are in the dataclasses below."""
+overrides (values are YAML: `optim.epochs=2`, `model.anchor_sizes=[16,32]`). An unknown key is refused with the
+closest valid one; every key, its default and its meaning are in the dataclasses below.
+
+The sections `optim` and `engine` are those of pretraining and fine-tuning (pretrain/runtime/config.py: the same
+optimizers, schedule, checkpoint and logging keys), with detection's defaults: SGD at an lr of 0.02 not scaled with
+the batch, a warm-up from 0.1% of it (`optim.warmup_start_factor`, detection's own key), fp32, one checkpoint kept.
+"""
 from __future__ import annotations
 
 import math
@@ -9,7 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain.runtime.config import merge_checked, parse_overrides, read_config_file, schema_keys
+from pretrain.runtime.config import (RUNTIME_CHOICES, RUNTIME_RANGES, EngineConfig, OptimConfig,
+                                     check_choices_and_ranges, check_optim_keys, merge_checked, parse_overrides,
+                                     read_config_file, schema_keys)
 from pretrain.runtime.config_error import ConfigError
 
 DEFAULT_CONFIG = "configs/transfer/detection_digit_scenes.yaml"
@@ -25,6 +32,8 @@ class DataOptions:
     image_size: int = 96                     # scene side in px when the set is written
     seed: int = 0                            # seed of the set when it is written
     generate: bool = True                    # write the set when `root` holds none; false: refuse
+    batch_size: int = 8                      # training scenes per iteration and process
+    eval_batch_size: int = 32                # val scenes per forward
 
 
 @dataclass
@@ -52,22 +61,25 @@ class ModelOptions:
 
 
 @dataclass
-class TrainOptions:
-    epochs: int = 4                          # passes over the training scenes
-    batch_size: int = 8                      # scenes per iteration
-    lr: float = 0.02                         # peak learning rate (SGD with `momentum`)
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_iters: int = 50                   # linear warm-up from 0.1% of the peak
-    grad_clip: float = 0.0                   # max global gradient norm; 0 disables clipping
-    max_iters: int = 0                       # stop after this many iterations (0: all epochs); the lr schedule
-                                             # still spans all epochs
-    print_every: int = 25                    # iterations between progress lines
+class DetectionOptimConfig(OptimConfig):
+    """Pretraining's optim.* keys with detection's defaults."""
+    lr: float = 0.02                         # the peak lr, not scaled with the batch (lr_scaling: none)
+    lr_scaling: str = "none"
+    warmup_epochs: float = 0.2               # 50 iterations of the digit scenes' 250 per epoch
+    epochs: int = 4
+    # The warm-up starts at this fraction of the peak lr (Detectron2's WARMUP_FACTOR); pretraining's starts from 0.
+    warmup_start_factor: float = 0.001
 
 
 @dataclass
-class EvalOptions:
-    batch_size: int = 32                     # val scenes per forward
+class DetectionEngineConfig(EngineConfig):
+    """Pretraining's engine.* keys with detection's defaults: one process per GPU or the CPU, fp32, one
+    checkpoint kept (written at every epoch end), progress and scalars every 25 iterations."""
+    precision: str = "fp32"
+    keep_checkpoints: int = 1
+    log_every_steps: int = 25
+    print_every_steps: int = 25              # also: the final losses of the result average this many iterations
+    image_grid_every_steps: int = 0
 
 
 @dataclass
@@ -75,23 +87,22 @@ class DetectionConfig:
     seed: int = 0                            # seed of the random init, the new layers and the batch order
     data: DataOptions = field(default_factory=DataOptions)
     model: ModelOptions = field(default_factory=ModelOptions)
-    train: TrainOptions = field(default_factory=TrainOptions)
-    eval: EvalOptions = field(default_factory=EvalOptions)
+    optim: DetectionOptimConfig = field(default_factory=DetectionOptimConfig)
+    engine: DetectionEngineConfig = field(default_factory=DetectionEngineConfig)
 
 
 CONFIG_KEYS = tuple(schema_keys(DetectionConfig))
-KEYS_WHERE = "transfer/detection/config.py"
+KEYS_WHERE = "transfer/detection/config.py (optim.* and engine.* in pretrain/runtime/config.py)"
 
-# (key, smallest allowed value): integers and numbers outside these ranges are refused by name.
+# (key, smallest allowed value): integers and numbers outside these ranges are refused by name; the optim.* and
+# engine.* ranges are pretraining's (RUNTIME_RANGES).
 LOWER_BOUNDS = (("seed", 0), ("data.num_train", 1), ("data.num_val", 1), ("data.image_size", 32), ("data.seed", 0),
+                ("data.batch_size", 1), ("data.eval_batch_size", 1),
                 ("model.roi_output_size", 1), ("model.frozen_stages", 0), ("model.rpn_batch_size_per_image", 1),
                 ("model.rpn_pre_nms_top_n_train", 1), ("model.rpn_post_nms_top_n_train", 1),
                 ("model.rpn_pre_nms_top_n_test", 1), ("model.rpn_post_nms_top_n_test", 1),
                 ("model.box_batch_size_per_image", 1), ("model.box_score_thresh", 0.0),
-                ("model.box_detections_per_img", 1), ("train.epochs", 1), ("train.batch_size", 1),
-                ("train.momentum", 0.0), ("train.weight_decay", 0.0), ("train.warmup_iters", 0),
-                ("train.grad_clip", 0.0), ("train.max_iters", 0), ("train.print_every", 1),
-                ("eval.batch_size", 1))
+                ("model.box_detections_per_img", 1), ("optim.warmup_start_factor", 0.0))
 
 
 def load_detection_config(path: str | Path | None, overrides: list[str] = ()) -> DictConfig:
@@ -103,8 +114,8 @@ def load_detection_config(path: str | Path | None, overrides: list[str] = ()) ->
         value = OmegaConf.select(cfg, key)
         if not math.isfinite(value) or value < bound:
             raise ConfigError(f"{key}={value} must be a finite number >= {bound}")
-    if not cfg.train.lr > 0 or not math.isfinite(cfg.train.lr):
-        raise ConfigError(f"train.lr={cfg.train.lr} must be a finite number > 0")
+    check_choices_and_ranges(cfg, RUNTIME_CHOICES, RUNTIME_RANGES)
+    check_optim_keys(cfg)
     if cfg.model.norm not in ("train", "frozen"):
         raise ConfigError(f"model.norm={cfg.model.norm!r} is not one of ('train', 'frozen')")
     if cfg.model.frozen_stages > 4:

@@ -107,8 +107,8 @@ class SceneLoader:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.num_images = len(split.image_ids)
         if world_size > 1 and self.num_images < batch_size * world_size:
-            raise ConfigError(f"{self.num_images} training scenes do not fill one batch of train.batch_size="
-                              f"{batch_size} on each of {world_size} processes: lower train.batch_size")
+            raise ConfigError(f"{self.num_images} training scenes do not fill one batch of data.batch_size="
+                              f"{batch_size} on each of {world_size} processes: lower data.batch_size")
 
     def __len__(self) -> int:
         return max(self.num_images // (self.batch_size * self.world_size), 1)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -16,9 +15,9 @@ from eval.features import BackboneExport
 from eval.results import result_path, write_result
 from pretrain.runtime.atomic_write import write_text_atomically
 from pretrain.runtime.checkpoint import check_resumable
+from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.distributed import average_buffers
-from pretrain.runtime.optim import Schedules, cosine_schedule
-from pretrain.runtime.stage import LoopOptions, Stage
+from pretrain.runtime.stage import ConfiguredStage
 from transfer.detection.coco_metrics import coco_box_metrics
 from transfer.detection.predict import predict
 from transfer.detection.scenes import SceneLoader, SceneSplit
@@ -26,14 +25,9 @@ from transfer.detection.task import DetectionTask, detection_backbone
 from transfer.detector import build_detector
 
 
-def learning_rates(cfg: DictConfig, total_iters: int) -> np.ndarray:
-    """The lr of every iteration: linear warm-up from 0.1% of train.lr over train.warmup_iters, then a cosine to 0."""
-    return cosine_schedule(cfg.train.lr, 0.0, total_iters, cfg.train.warmup_iters, warmup_start=0.001 * cfg.train.lr)
-
-
-# What a resumed detection run must share with the run in its directory (train.max_iters and print_every may change).
-RESUME_KEYS = ("seed", "data", "model", "train.epochs", "train.batch_size", "train.lr", "train.momentum",
-               "train.weight_decay", "train.warmup_iters", "train.grad_clip")
+# What a resumed detection run must share with the run in its directory (engine.* and data.eval_batch_size may change).
+RESUME_KEYS = ("seed", "data.root", "data.num_train", "data.num_val", "data.image_size", "data.seed", "data.generate",
+               "data.batch_size", "model", "optim")
 
 
 @dataclass
@@ -56,29 +50,30 @@ class DetectionInputs:
         return self.run_dir / "detection" / f"detection_{self.init}_step{self.export.step:07d}"
 
 
-class DetectionTraining(Stage):
-    """The detector's training run: Faster R-CNN (C4) on the export, SGD with the warm-up + cosine lr."""
+class DetectionTraining(ConfiguredStage):
+    """The detector's training run: Faster R-CNN (C4) on the export; the loop's options, the schedules (warm-up +
+    cosine) and the optimizer (SGD) come from the optim.* / engine.* keys, as fine-tuning's do."""
 
     name = "detection"
 
     def __init__(self, cfg: DictConfig, inputs: DetectionInputs):
-        self.cfg, self.inputs = cfg, inputs
+        super().__init__(cfg)
+        self.options = replace(self.options, device=inputs.device)     # --device: cpu, or auto
+        self.inputs = inputs
         self.run_dir = inputs.training_dir
-        t = cfg.train
-        # One process (or one per GPU under a launcher), fp32, ZeRO 0; a checkpoint at every epoch end.
-        self.options = LoopOptions(epochs=t.epochs, batch_size=t.batch_size, grad_clip=t.grad_clip, seed=cfg.seed,
-                                   precision="fp32", max_steps=t.max_iters, log_every_steps=t.print_every,
-                                   print_every_steps=t.print_every, keep_checkpoints=1, device=inputs.device)
         self.started = time.perf_counter()
 
     def check_resumable(self) -> None:
         check_resumable(self.run_dir / "config.yaml", self.cfg, RESUME_KEYS)
 
-    def divergence_advice(self) -> str:
-        return f"Lower train.lr (now {self.cfg.train.lr}) or set train.grad_clip (e.g. 10)."
-
     def build_loader(self, rank: int, world_size: int, device: torch.device) -> SceneLoader:
-        return SceneLoader(self.inputs.train, self.cfg.train.batch_size, self.cfg.seed, rank, world_size, device)
+        cfg = self.cfg
+        loader = SceneLoader(self.inputs.train, cfg.data.batch_size, cfg.seed, rank, world_size, device)
+        if len(loader) < cfg.optim.grad_accum:
+            raise ConfigError(f"the {loader.num_images} training scenes give {len(loader)} batches of data.batch_size="
+                              f"{cfg.data.batch_size} per process, fewer than optim.grad_accum={cfg.optim.grad_accum}: "
+                              "lower data.batch_size or optim.grad_accum")
+        return loader
 
     def build_task(self, steps_per_epoch: int, device: torch.device) -> DetectionTask:
         inputs = self.inputs
@@ -86,16 +81,7 @@ class DetectionTraining(Stage):
         torch.manual_seed(self.cfg.seed)              # the RPN and the box predictor start from this seed
         detector = build_detector(resnet, self.cfg, inputs.train.num_classes, int(inputs.train.images.shape[-1]),
                                   inputs.mean, inputs.std)
-        return DetectionTask(detector.to(device), self.cfg.train.print_every)
-
-    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
-        total = steps_per_epoch * self.cfg.train.epochs
-        return Schedules(peak_lr=self.cfg.train.lr, lr=learning_rates(self.cfg, total),
-                         weight_decay=np.full(total, self.cfg.train.weight_decay))
-
-    def build_optimizer(self, task: DetectionTask, peak_lr: float) -> torch.optim.Optimizer:
-        t = self.cfg.train
-        return torch.optim.SGD(task.param_groups(), lr=peak_lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        return DetectionTask(detector.to(device), self.cfg.engine.print_every_steps)
 
     def record(self, task: DetectionTask, steps_per_epoch: int, rank: int) -> None:
         self.steps_per_epoch = steps_per_epoch
@@ -110,7 +96,7 @@ class DetectionTraining(Stage):
         if rank != 0:
             return None
         device = next(task.parameters()).device
-        detections = predict(task.detector, inputs.val, self.cfg.eval.batch_size, device)
+        detections = predict(task.detector, inputs.val, self.cfg.data.eval_batch_size, device)
         metrics, summary = coco_box_metrics(inputs.val.json_path, detections)
         seconds = time.perf_counter() - self.started
         details = {"train": str(inputs.paths["train_json"]), "val": str(inputs.paths["val_json"]),

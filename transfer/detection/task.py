@@ -47,6 +47,6 @@ class DetectionTask(TrainingTask):
         return BatchLoss(sum(losses.values()), {f"train/{name}": value for name, value in parts.items()})
 
     def final_losses(self) -> dict[str, float]:
-        """The mean of each loss over the last train.print_every iterations."""
+        """The mean of each loss over the last engine.print_every_steps iterations."""
         return {name: sum(r[name] for r in self.recent) / len(self.recent) for name in self.recent[-1]} \
             if self.recent else {}
