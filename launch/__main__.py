@@ -109,7 +109,7 @@ def command_finetune(args: argparse.Namespace, stage_args: list[str]) -> int:
     options = cluster_options(args)
     run_dir = existing_run(args.run, "pass a pretraining run directory (it holds backbone.pth)")
     from transfer.__main__ import build_parser as transfer_parser
-    from transfer.finetune_config import load_finetune_config
+    from transfer.finetune.config import load_finetune_config
 
     try:
         stage = transfer_parser().parse_args(["finetune", "--run", str(run_dir), *stage_args])
@@ -161,7 +161,7 @@ def check_pipeline_arguments(args: argparse.Namespace) -> None:
     if args.finetune_config is not None:
         if "finetune" not in split(args.transfer):
             raise LaunchError(f"--finetune-config {args.finetune_config} is given but --transfer has no finetune")
-        from transfer.finetune_config import load_finetune_config
+        from transfer.finetune.config import load_finetune_config
 
         load_finetune_config(args.finetune_config)           # a missing or bad recipe: ConfigError, exit 2
 

@@ -192,7 +192,7 @@ def check_data(file: str, row: Row) -> None:
 
 def parse_row(where: str, entry) -> Row:
     from pretrain.config import load_config
-    from transfer.finetune_config import load_finetune_config
+    from transfer.finetune.config import load_finetune_config
 
     if not isinstance(entry, dict):
         raise LaunchError(f"{where} must be a mapping with name, config, seeds, minutes or steps, marks")

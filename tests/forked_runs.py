@@ -55,7 +55,7 @@ def context():
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(["pretrain.pretraining", "pretrain.__main__", "pretrain.data.ffcv_loader",
-                                         "eval.__main__", "pretrain.methods.simclr", "transfer.finetune_stage"])
+                                         "eval.__main__", "pretrain.methods.simclr", "transfer.finetune.stage"])
     return _context
 
 

@@ -97,7 +97,7 @@ def test_every_method_file_is_a_method_with_its_own_options():
 @pytest.mark.parametrize("path", sorted(Path(__file__).parents[1].glob("configs/transfer/finetune_*.yaml")),
                          ids=lambda p: p.name)
 def test_every_shipped_finetune_config_loads(path):
-    from transfer.finetune_config import load_finetune_config
+    from transfer.finetune.config import load_finetune_config
 
     cfg = load_finetune_config(path)
     assert cfg.name and cfg.optim.epochs > 0

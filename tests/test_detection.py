@@ -15,8 +15,11 @@ import torch
 
 from pretrain.data.digits import digits_images, digits_split
 from pretrain.models import create_backbone
+from pretrain.runtime.optim import schedules_from_config
 from transfer.__main__ import main
-from transfer.detection import coco_box_metrics, detection_backbone, learning_rates, load_detection_config
+from transfer.detection.coco_metrics import coco_box_metrics
+from transfer.detection.config import load_detection_config
+from transfer.detection.task import detection_backbone
 from transfer.detector import OnePixelConv2d, ResNetC5BoxHead
 from transfer.digit_scenes import (DigitScenesError, render_moved_digit, render_scene, scene_generator, split_glyphs,
                                    write_digit_scenes, write_moved_digits)
@@ -239,8 +242,8 @@ def test_c4_box_head_is_layer4_and_pooling_of_the_backbone():
 
 
 def test_lr_schedule_warms_up_linearly_then_follows_a_cosine():
-    cfg = load_detection_config(None, ["train.lr=0.1", "train.warmup_iters=4"])
-    lrs = learning_rates(cfg, 14)
+    cfg = load_detection_config(None, ["optim.lr=0.1", "optim.epochs=2", "optim.warmup_epochs=0.6"])
+    lrs = schedules_from_config(cfg, steps_per_epoch=7, global_batch=8).lr    # 4 warm-up steps of 14
     assert np.allclose(lrs[:4], 0.1 * (0.001 + 0.999 * np.arange(4) / 4))
     assert np.allclose(lrs[4:], 0.05 * (1 + np.cos(np.pi * np.arange(10) / 10)))
 
@@ -248,7 +251,7 @@ def test_lr_schedule_warms_up_linearly_then_follows_a_cosine():
 def test_scene_loader_resumes_mid_epoch_with_the_same_batches_and_shards_each_global_batch(tiny_scenes):
     """Resuming at batch k of epoch e reads what the uninterrupted epoch read from batch k on; each epoch is a new
     permutation; two ranks split each global batch without overlap."""
-    from transfer.detection import SceneLoader, load_split
+    from transfer.detection.scenes import SceneLoader, load_split
 
     split = load_split(tiny_scenes["train_json"], tiny_scenes["train_images"])
     cpu = torch.device("cpu")
@@ -271,11 +274,11 @@ def test_tiny_detection_run_writes_cocoeval_results_and_tensorboard(tmp_path, ti
     run_dir = tmp_path / "run"
     write_export(run_dir, step=42)
     tiny = ["--device", "cpu", f"data.root={tiny_scenes['root']}", *(f"data.{k}={v}" for k, v in TINY_SET.items()),
-            "train.batch_size=4", "train.max_iters=3", "train.warmup_iters=2", "train.print_every=1",
-            "eval.batch_size=8"]
+            "data.batch_size=4", "engine.max_steps=3", "optim.warmup_epochs=0.7", "engine.print_every_steps=1",
+            "engine.log_every_steps=1", "data.eval_batch_size=8"]
     environment = dict(os.environ)
     assert main(["detection", "--run", str(run_dir), *tiny]) == 0
-    assert main(["detection", "--run", str(run_dir), "--from", "random", *tiny, "train.max_iters=2"]) == 0
+    assert main(["detection", "--run", str(run_dir), "--from", "random", *tiny, "engine.max_steps=2"]) == 0
     # The process group of one is gone with its launcher variables: later runs started from this process (other
     # tests' subprocesses) must not share its MASTER_PORT.
     assert dict(os.environ) == environment
@@ -330,9 +333,10 @@ def test_bad_inputs_are_refused_in_one_line_with_status_2(tmp_path, tiny_scenes,
         ["detection", "--run", str(run_dir), f"data.root={tmp_path / 'missing'}", "data.generate=false"])
     assert "other parameters: train.num_images=12 (asked 99)" in refused(
         ["detection", "--run", str(run_dir), *data, "data.num_train=99"])
-    assert "did you mean 'train.epochs'" in refused(["detection", "--run", str(run_dir), *data, "train.epoch=1"])
-    assert "invalid value for train.epochs: Value 'two'" in refused(["detection", "--run", str(run_dir), *data, "train.epochs=two"])
-    assert "train.lr=0.0 must be" in refused(["detection", "--run", str(run_dir), *data, "train.lr=0"])
+    assert "did you mean 'optim.epochs'" in refused(["detection", "--run", str(run_dir), *data, "optim.epoch=1"])
+    assert "did you mean 'optim.epochs'" in refused(["detection", "--run", str(run_dir), *data, "train.epochs=1"])
+    assert "invalid value for optim.epochs: Value 'two'" in refused(["detection", "--run", str(run_dir), *data, "optim.epochs=two"])
+    assert "optim.lr=0.0 must be" in refused(["detection", "--run", str(run_dir), *data, "optim.lr=0"])
     assert "does not exist" in refused(["detection", "--run", str(run_dir), "--config", str(tmp_path / "no.yaml")])
     assert "image_size=16" in refused(["digit-scenes", "--out-dir", str(tmp_path / "s"), "--image-size", "16"])
     assert "seed=-1 must be" in refused(["detection", "--run", str(run_dir), *data, "seed=-1"])

@@ -18,7 +18,7 @@ import torch
 
 from pretrain.models import create_backbone
 from transfer.__main__ import main
-from transfer.detectron2_weights import Detectron2InputError, convert_export
+from transfer.detectron2.weights import Detectron2InputError, convert_export
 
 D2_STATE_DICT = Path(__file__).parent / "data" / "detectron2_r50_c4_state_dict.txt"
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]

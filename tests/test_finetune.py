@@ -142,7 +142,7 @@ def lr_by_parameter(model, layer_decay: float, lr: float = 1.0) -> dict[str, flo
     """Each parameter's lr in the optimizer built as the fine-tuning builds it, after one schedule update."""
     from pretrain.runtime.optim import build_optimizer, set_schedule_values
     from transfer.classifier import layer_decay_param_groups
-    from transfer.finetune_config import load_finetune_config
+    from transfer.finetune.config import load_finetune_config
 
     cfg = load_finetune_config(CONFIG, [f"optim.layer_decay={layer_decay}"])
     optimizer = build_optimizer(cfg, layer_decay_param_groups(model, cfg.optim.layer_decay), lr)
@@ -200,7 +200,7 @@ def layer_decayed_step_errors() -> dict[str, float]:
     from pretrain.runtime.optim import build_optimizer, set_schedule_values
     from pretrain.runtime.stage import LoopOptions
     from transfer.classifier import Classifier, layer_decay_param_groups
-    from transfer.finetune_config import load_finetune_config
+    from transfer.finetune.config import load_finetune_config
 
     init_distributed()
     depth = {"conv1": 5, "bn1": 5, "layer1": 4, "layer2": 3, "layer3": 2, "layer4": 1}
@@ -270,7 +270,7 @@ def test_from_random_starts_from_random_weights_and_the_default_from_the_export(
 
 
 def test_top1_and_top5_equal_a_brute_force_count():
-    from transfer.finetune_stage import evaluate
+    from transfer.finetune.stage import evaluate
 
     generator = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(6, 8)

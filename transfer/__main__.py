@@ -18,7 +18,7 @@ COMMANDS: dict[str, str] = {
     "finetune": "transfer.finetune",
     "digit-scenes": "transfer.digit_scenes",
     "detection": "transfer.detection",
-    "detectron2": "transfer.detectron2_cli",
+    "detectron2": "transfer.detectron2",
 }
 
 

@@ -1,20 +1,22 @@
 """The digit-scenes detector: torchvision's Faster R-CNN in the R50-C4 layout of MoCo's detection protocol, on a
 timm ResNet (the stem and layer1-layer3 as the trunk, layer4 + pooling as the box head). How it is trained and
-evaluated: transfer/detection.py.
+evaluated: transfer/detection/.
 """
 from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torchvision.models.detection import FasterRCNN
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 
 from pretrain.models import StridedConv2d
 
 
 def freeze_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every BatchNorm2d under `module` by torchvision's FrozenBatchNorm2d with its statistics and affine."""
-    from torchvision.ops import FrozenBatchNorm2d
-
     if isinstance(module, nn.BatchNorm2d):
         frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
         with torch.no_grad():
@@ -89,28 +91,23 @@ class ResNetC5BoxHead(nn.Module):
 def build_detector(resnet: nn.Module, cfg: DictConfig, num_classes: int, image_size: int,
                    mean: list[float], std: list[float]) -> nn.Module:
     """Faster R-CNN (C4) on `resnet`; `num_classes` counts the object classes (background is added)."""
-    from torchvision.models.detection import FasterRCNN
-    from torchvision.models.detection.anchor_utils import AnchorGenerator
-    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
-    from torchvision.ops import MultiScaleRoIAlign
-
-    m = cfg.model
+    model = cfg.model
     trunk, box_head = ResNetTrunk(resnet), ResNetC5BoxHead(resnet)
-    for stage in trunk.stages()[:m.frozen_stages]:
+    for stage in trunk.stages()[:model.frozen_stages]:
         freeze_batchnorm(stage)
         stage.requires_grad_(False)
-    if m.norm == "frozen":
+    if model.norm == "frozen":
         freeze_batchnorm(trunk)
         freeze_batchnorm(box_head)
-    anchors = AnchorGenerator(sizes=(tuple(int(s) for s in m.anchor_sizes),),
-                              aspect_ratios=(tuple(float(r) for r in m.aspect_ratios),))
-    roi_align = MultiScaleRoIAlign(featmap_names=["0"], output_size=m.roi_output_size, sampling_ratio=2)
+    anchors = AnchorGenerator(sizes=(tuple(int(s) for s in model.anchor_sizes),),
+                              aspect_ratios=(tuple(float(r) for r in model.aspect_ratios),))
+    roi_align = MultiScaleRoIAlign(featmap_names=["0"], output_size=model.roi_output_size, sampling_ratio=2)
     return FasterRCNN(
         trunk, min_size=image_size, max_size=image_size, image_mean=list(mean), image_std=list(std),
-        rpn_anchor_generator=anchors, rpn_batch_size_per_image=m.rpn_batch_size_per_image,
-        rpn_pre_nms_top_n_train=m.rpn_pre_nms_top_n_train, rpn_post_nms_top_n_train=m.rpn_post_nms_top_n_train,
-        rpn_pre_nms_top_n_test=m.rpn_pre_nms_top_n_test, rpn_post_nms_top_n_test=m.rpn_post_nms_top_n_test,
+        rpn_anchor_generator=anchors, rpn_batch_size_per_image=model.rpn_batch_size_per_image,
+        rpn_pre_nms_top_n_train=model.rpn_pre_nms_top_n_train, rpn_post_nms_top_n_train=model.rpn_post_nms_top_n_train,
+        rpn_pre_nms_top_n_test=model.rpn_pre_nms_top_n_test, rpn_post_nms_top_n_test=model.rpn_post_nms_top_n_test,
         box_roi_pool=roi_align, box_head=box_head,
         box_predictor=FastRCNNPredictor(box_head.out_channels, num_classes + 1),
-        box_batch_size_per_image=m.box_batch_size_per_image, box_score_thresh=m.box_score_thresh,
-        box_detections_per_img=m.box_detections_per_img)
+        box_batch_size_per_image=model.box_batch_size_per_image, box_score_thresh=model.box_score_thresh,
+        box_detections_per_img=model.box_detections_per_img)

@@ -1,5 +1,5 @@
 """The training runtime every stage that trains runs on: pretraining (pretrain/pretraining.py), fine-tuning
-(transfer/finetune_stage.py) and detection (transfer/detection.py).
+(transfer/finetune/stage.py) and detection (transfer/detection/stage.py).
 
     loop.py            run_training(stage): processes, run lock, DeepSpeed engine, resume, the epoch loop, stop
     task.py            TrainingTask: what a stage's module supplies to the loop (a batch -> a loss)

@@ -1,7 +1,7 @@
 """The configuration machinery every stage shares, and the `optim.*` / `engine.*` sections the training loop reads.
 
 A stage's config is a dataclass schema (pretraining's `pretrain/config.py`, fine-tuning's
-`transfer/finetune_config.py`, detection's) merged with a YAML file and dotted `key=value` overrides:
+`transfer/finetune/config.py`, detection's) merged with a YAML file and dotted `key=value` overrides:
 
     tree = read_config_file(path, "configs/pretrain/")
     cfg = merge_checked(OmegaConf.structured(Schema), tuple(schema_keys(Schema)), tree, parse_overrides(overrides),
@@ -236,27 +236,28 @@ def check_choices_and_ranges(cfg: DictConfig, choices: dict[str, tuple], ranges:
 
 
 def check_optim_keys(cfg: DictConfig) -> None:
-    """The optim.* keys that ranges alone cannot check (pretraining and fine-tuning): the lr schedule, Adam's betas."""
-    o = cfg.optim
-    betas = list(o.betas)
+    """The optim.* keys that ranges alone cannot check (pretraining, fine-tuning, detection): the lr schedule, Adam's
+    betas."""
+    optim = cfg.optim
+    betas = list(optim.betas)
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
         raise ConfigError(f"optim.betas={betas} must be two numbers in [0, 1): Adam's decay rates of the gradient's "
                           "mean and of its square, e.g. [0.9, 0.999]")
-    if o.min_lr > o.lr:
-        raise ConfigError(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}: the cosine decays from optim.lr to "
-                          "min_lr")
-    if o.lr_schedule != "step":
+    if optim.min_lr > optim.lr:
+        raise ConfigError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}: the cosine decays from optim.lr "
+                          "to min_lr")
+    if optim.lr_schedule != "step":
         return
-    milestones = list(o.lr_milestones)
+    milestones = list(optim.lr_milestones)
     if not milestones or any(not 0 < m < 1 for m in milestones) or milestones != sorted(set(milestones)):
         raise ConfigError(f"optim.lr_milestones={milestones} must be increasing fractions of training in (0, 1), "
                           "e.g. [0.5, 0.8] (the lr steps down at 50% and 80% of the steps)")
-    if not 0 < o.lr_step_factor <= 1:
-        raise ConfigError(f"optim.lr_step_factor={o.lr_step_factor} must lie in (0, 1]: the lr is multiplied by it at "
-                          "every milestone (0.1 divides it by 10)")
-    if o.min_lr != 0:
-        raise ConfigError(f"optim.min_lr={o.min_lr} is the cosine's final lr, which optim.lr_schedule=step does not "
-                          "use (it ends at lr x lr_step_factor ** len(lr_milestones)); set optim.min_lr=0, or "
+    if not 0 < optim.lr_step_factor <= 1:
+        raise ConfigError(f"optim.lr_step_factor={optim.lr_step_factor} must lie in (0, 1]: the lr is multiplied by "
+                          "it at every milestone (0.1 divides it by 10)")
+    if optim.min_lr != 0:
+        raise ConfigError(f"optim.min_lr={optim.min_lr} is the cosine's final lr, which optim.lr_schedule=step does "
+                          "not use (it ends at lr x lr_step_factor ** len(lr_milestones)); set optim.min_lr=0, or "
                           "optim.lr_schedule=cosine")
 
 

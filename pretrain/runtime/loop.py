@@ -9,7 +9,7 @@
         task.after_step -> agree_on_stop -> [epoch end: task.after_epoch]
         log_step, log_image_grids -> checkpoint_if_due (+ task.write_export) -> [stop signal: stop_on_signal]
 
-A stage (pretrain/pretraining.py, transfer/finetune_stage.py, transfer/detection.py) describes its run as a
+A stage (pretrain/pretraining.py, transfer/finetune/stage.py, transfer/detection/stage.py) describes its run as a
 `Stage` (pretrain/runtime/stage.py): its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the engine wraps, which turns a
 batch into a loss), its optimizer and schedules, what it records. `run_training(stage)` does the rest the same
 way for all: processes and the run lock, seeds, the DeepSpeed engine and its config, resume through the

@@ -61,18 +61,18 @@ def build_optimizer(cfg: DictConfig, param_groups: list[dict], peak_lr: float) -
     decay". adamw decouples it (w <- w - lr * wd * w beside the Adam step, Loshchilov & Hutter 2019): there the
     same 5e-4 at an lr of 1e-4 takes 5e-8 of every weight per step, almost no decay.
     """
-    o = cfg.optim
+    optim = cfg.optim
     for group in param_groups:
-        if o.get("decay_norm_and_bias"):     # every parameter decays: the groups' no_decay flags are dropped
+        if optim.get("decay_norm_and_bias"):     # every parameter decays: the groups' no_decay flags are dropped
             group.pop("no_decay", None)
-        group["weight_decay"] = 0.0 if group.get("no_decay") else o.weight_decay
-    if o.name == "sgd":
-        return torch.optim.SGD(param_groups, lr=peak_lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    if o.name == "lars":
-        return LARS(param_groups, lr=peak_lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    if o.name == "adam":
-        return torch.optim.Adam(param_groups, lr=peak_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    return torch.optim.AdamW(param_groups, lr=peak_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        group["weight_decay"] = 0.0 if group.get("no_decay") else optim.weight_decay
+    if optim.name == "sgd":
+        return torch.optim.SGD(param_groups, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    if optim.name == "lars":
+        return LARS(param_groups, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    if optim.name == "adam":
+        return torch.optim.Adam(param_groups, lr=peak_lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(param_groups, lr=peak_lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
 
 
 def cosine_schedule(start: float, end: float, total_steps: int, warmup_steps: int = 0,
@@ -123,24 +123,28 @@ class Schedules:
 
 
 def schedules_from_config(cfg: DictConfig, steps_per_epoch: int, global_batch: int) -> Schedules:
-    """The `optim.*` recipe of pretraining and fine-tuning: the lr scaled to the global batch (`scaled_lr`), a linear
-    warm-up over optim.warmup_epochs then, with optim.lr_schedule=cosine (the default), a cosine to optim.min_lr,
-    or with lr_schedule=step, steps down by optim.lr_step_factor at the optim.lr_milestones (`step_schedule`); the
-    weight decay a cosine from optim.weight_decay to optim.weight_decay_end (constant when that is null)."""
-    o = cfg.optim
+    """The `optim.*` recipe of pretraining, fine-tuning and detection: the lr scaled to the global batch
+    (`scaled_lr`), a linear warm-up over optim.warmup_epochs (from 0, or from optim.warmup_start_factor x the peak
+    where the schema has that key: detection's) then, with optim.lr_schedule=cosine (the default), a cosine to
+    optim.min_lr, or with lr_schedule=step, steps down by optim.lr_step_factor at the optim.lr_milestones
+    (`step_schedule`); the weight decay a cosine from optim.weight_decay to optim.weight_decay_end (constant when
+    that is null)."""
+    optim = cfg.optim
     peak_lr = scaled_lr(cfg, global_batch)
-    total_steps = o.epochs * steps_per_epoch
-    warmup_steps = int(o.warmup_epochs * steps_per_epoch)
-    if o.lr_schedule == "step":
-        lr = step_schedule(peak_lr, total_steps, list(o.lr_milestones), o.lr_step_factor, warmup_steps)
+    total_steps = optim.epochs * steps_per_epoch
+    warmup_steps = int(optim.warmup_epochs * steps_per_epoch)
+    warmup_start = optim.get("warmup_start_factor", 0.0) * peak_lr
+    if optim.lr_schedule == "step":
+        lr = step_schedule(peak_lr, total_steps, list(optim.lr_milestones), optim.lr_step_factor, warmup_steps,
+                           warmup_start)
     else:
-        lr = cosine_schedule(peak_lr, o.min_lr, total_steps, warmup_steps)
-    wd_end = o.weight_decay if o.weight_decay_end is None else o.weight_decay_end
-    return Schedules(peak_lr=peak_lr, lr=lr, weight_decay=cosine_schedule(o.weight_decay, wd_end, total_steps))
+        lr = cosine_schedule(peak_lr, optim.min_lr, total_steps, warmup_steps, warmup_start)
+    wd_end = optim.weight_decay if optim.weight_decay_end is None else optim.weight_decay_end
+    return Schedules(peak_lr=peak_lr, lr=lr, weight_decay=cosine_schedule(optim.weight_decay, wd_end, total_steps))
 
 
 def divergence_advice(cfg: DictConfig) -> str:
     """What to try when a run of the `optim.*` recipe diverged."""
-    o = cfg.optim
-    return (f"Try a lower optim.lr (now {o.lr}), gradient clipping (optim.grad_clip=1.0, now {o.grad_clip}) or a "
-            f"longer warm-up (optim.warmup_epochs, now {o.warmup_epochs}).")
+    optim = cfg.optim
+    return (f"Try a lower optim.lr (now {optim.lr}), gradient clipping (optim.grad_clip=1.0, now {optim.grad_clip}) "
+            f"or a longer warm-up (optim.warmup_epochs, now {optim.warmup_epochs}).")

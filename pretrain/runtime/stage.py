@@ -21,8 +21,8 @@ from pretrain.runtime.task import TrainingTask
 
 @dataclass(frozen=True)
 class LoopOptions:
-    """The settings the loop reads; pretraining and fine-tuning take them from their `optim.*` / `engine.*` keys
-    (`from_config`), detection from its `train.*` keys."""
+    """The settings the loop reads; pretraining, fine-tuning and detection take them from their `optim.*` /
+    `engine.*` keys (`from_config`)."""
 
     epochs: int
     batch_size: int                 # per process and micro-batch

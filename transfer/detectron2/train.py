@@ -30,7 +30,7 @@ from detectron2.modeling import ROI_HEADS_REGISTRY
 from detectron2.modeling.roi_heads import Res5ROIHeads
 from detectron2.utils import comm
 
-from transfer.detectron2_weights import Detectron2InputError, read_detectron2_weights
+from transfer.detectron2.weights import Detectron2InputError, read_detectron2_weights
 
 DIGIT_SCENES_SPLITS = {"digit_scenes_train": "train", "digit_scenes_val": "val"}
 

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
+from timm.data.auto_augment import rand_augment_transform
 
 from pretrain.config import CHOICES, NUMBER_RANGES
+from pretrain.data.augment import check_view_group
 from pretrain.data.views import ViewGroup
 from pretrain.runtime.config import (EngineConfig, OptimConfig, check_choices_and_ranges, check_optim_keys,
                                      check_run_name, merge_checked, parse_overrides, read_config_file, schema_keys)
@@ -94,7 +96,7 @@ class FinetuneConfig:
 
 
 KEYS = tuple(schema_keys(FinetuneConfig))
-KEYS_WHERE = "transfer/finetune_config.py (optim.* and engine.* in pretrain/runtime/config.py)"
+KEYS_WHERE = "transfer/finetune/config.py (optim.* and engine.* in pretrain/runtime/config.py)"
 
 # (key, low, high, what the value is): numbers that must lie in [low, high] (None: unbounded); the optim.* and
 # engine.* ranges are pretraining's.
@@ -149,8 +151,6 @@ def load_finetune_config(path: str | Path | None, overrides: list[str] = ()) -> 
 
 def validate(cfg: DictConfig) -> None:
     """Checks that types alone cannot express; each refusal names the key, the value and the remedy."""
-    from pretrain.data.augment import check_view_group
-
     shared = ("optim.", "engine.", "data.batch_size", "data.num_workers", "data.canvas_size")
     check_choices_and_ranges(cfg, {key: allowed for key, allowed in CHOICES.items() if key.startswith(shared)},
                              tuple(row for row in NUMBER_RANGES if row[0].startswith(shared)))
@@ -181,7 +181,6 @@ def validate(cfg: DictConfig) -> None:
     except ValueError as error:
         raise ConfigError(str(error).replace("ViewGroup.", "augment.")) from None
     if cfg.augment.randaugment is not None:
-        from timm.data.auto_augment import rand_augment_transform
         try:
             rand_augment_transform(cfg.augment.randaugment, {})
         except Exception as error:   # timm asserts or fails to parse: either way the string is unusable

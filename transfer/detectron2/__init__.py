@@ -6,10 +6,10 @@
 
 `convert` needs no Detectron2: it writes the weight pickle Detectron2's checkpointer reads. `train` runs
 Detectron2's own `launch` and a `DefaultTrainer` with an evaluator per test set (COCOEvaluator for COCO-format
-sets, PascalVOCDetectionEvaluator for VOC), see `transfer/detectron2_train.py`. Detectron2 is not on the package
+sets, PascalVOCDetectionEvaluator for VOC), see `transfer/detectron2/train.py`. Detectron2 is not on the package
 registries; where it cannot be imported, `train` exits with status 2 and the install steps.
 
-The converter is `transfer/detectron2_weights.py` (weight names, what is refused, the pickle's content).
+The converter is `transfer/detectron2/weights.py` (weight names, what is refused, the pickle's content).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eval.features import EvaluationInputError, resolve_checkpoint_path
 from pretrain.runtime.argument_types import positive_int
-from transfer.detectron2_weights import Detectron2InputError, convert_export, write_detectron2_weights
+from transfer.detectron2.weights import Detectron2InputError, convert_export, write_detectron2_weights
 
 # How a user installs Detectron2 (checked on this project's machines, /work/shared/ENVIRONMENT.md).
 INSTALL_STEPS = (
@@ -118,5 +118,5 @@ def import_detectron2() -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     import_detectron2()
-    from transfer.detectron2_train import train      # imports Detectron2
+    from transfer.detectron2.train import train      # imports Detectron2
     return train(args)

@@ -7,7 +7,7 @@ initialisation (--from random, the baseline), with top-1 / top-5 on the validati
     torchrun --nproc-per-node N -m transfer finetune --run-dir RUN_DIR --config FILE   (torchrun takes --run)
 
 Training runs through the training loop of every stage (pretrain/runtime/loop.py; this stage and its task are in
-transfer/finetune_stage.py): DeepSpeed ZeRO (engine.zero_stage), bf16 autocast on GPUs with fp32 weights,
+transfer/finetune/stage.py): DeepSpeed ZeRO (engine.zero_stage), bf16 autocast on GPUs with fp32 weights,
 checkpoints every engine.checkpoint_every_steps and at every epoch end, resume by rerunning the same command
 (after a crash or SIGKILL too), SIGINT / SIGTERM / SIGUSR1 / SIGUSR2 finish the step, checkpoint and exit with
 128 + signal, TensorBoard and metrics.jsonl. Recipes (configs/transfer/): warm-up + cosine, label smoothing,
@@ -28,8 +28,17 @@ from __future__ import annotations
 
 import argparse
 
-# The command line only: it imports this module for --help, so torch and DeepSpeed load (in
-# transfer/finetune_stage.py) only to train.
+from omegaconf import OmegaConf
+
+from eval.features import EvaluationInputError
+from pretrain.config import ConfigError
+from pretrain.data import DatasetError
+from pretrain.runtime.checkpoint import CheckpointError
+from pretrain.runtime.exit_status import exit_status_of, report
+from pretrain.runtime.monitor import MetricsFileError
+from pretrain.runtime.run_lock import RunDirectoryInUse
+from transfer.finetune.config import load_finetune_config
+from transfer.finetune.stage import resolve_inputs, train
 
 # ============ command line ============
 
@@ -44,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of RUN_DIR/backbone.pth; results go to RUN_DIR when --run is given, else next to FILE")
     parser.add_argument("--config", metavar="FILE",
                         help="fine-tuning recipe, YAML under configs/transfer/ (omit for the defaults of "
-                             "transfer/finetune_config.py)")
+                             "transfer/finetune/config.py)")
     parser.add_argument("--from", dest="start", choices=("export", "random"), default="export",
                         help="start from the export's weights, or train the same network from random initialisation "
                              "(the baseline) (default: %(default)s)")
@@ -59,28 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Fine-tune as `args` say; the exit status (see the module docstring). Never exits the process itself: the
     launcher calls this in every task of a job."""
-    from pretrain.config import ConfigError
-    from pretrain.runtime.exit_status import exit_status_of, report
-    from transfer.finetune_config import load_finetune_config
-
     try:
         cfg = load_finetune_config(args.config, args.overrides)
     except ConfigError as error:
         report(f"config error: {error}")
         return 2
     if args.print_config:
-        from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(cfg))
         return 0
-
-    from eval.features import EvaluationInputError
-    from pretrain.data import DatasetError
-    from pretrain.runtime.checkpoint import CheckpointError
-    from pretrain.runtime.monitor import MetricsFileError
-    from pretrain.runtime.run_lock import RunDirectoryInUse
-
-    from transfer.finetune_stage import resolve_inputs, train
-
     return exit_status_of(lambda: train(cfg, resolve_inputs(cfg, args.run_dir, args.checkpoint, args.start)),
                         (ConfigError, DatasetError, EvaluationInputError, CheckpointError, RunDirectoryInUse,
                          MetricsFileError), "fine-tuning")

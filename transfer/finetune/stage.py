@@ -7,7 +7,7 @@
 The data are one RandomResizedCrop + flip per image of the labelled subset (data.label_fraction), this rank's
 shard, whole optimizer steps per epoch; the task is the export's backbone (or the same network at random) with a
 new linear head; the optimizer is `optim.name` over the layer-decayed parameter groups with the warm-up + cosine
-lr. The command line is transfer/finetune.py; it resolves the inputs (`resolve_inputs`) before any process starts.
+lr. The command is transfer/finetune/__init__.py; it resolves the inputs (`resolve_inputs`) before any process starts.
 """
 from __future__ import annotations
 
@@ -21,22 +21,24 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eval.features import BackboneExport
+from eval.features import (BackboneExport, EvaluationInputError, evaluation_crop_fraction, evaluation_image_size,
+                           load_backbone_export, resolve_checkpoint_path)
 from eval.results import write_results
 from pretrain.config import ConfigError
 from pretrain.data import DatasetError
-from pretrain.data.loader import build_image_loader, build_view_loader
+from pretrain.data.loader import build_image_loader, build_view_loader, check_training_data
 from pretrain.data.views import ViewBatch
 from pretrain.data.writer import is_unlabeled
 from pretrain.runtime.atomic_write import write_text_atomically
 from pretrain.runtime.checkpoint import check_resumable
 from pretrain.runtime.distributed import average_buffers
-from pretrain.runtime.loop import ConfiguredStage, run_training
+from pretrain.runtime.loop import run_training
+from pretrain.runtime.stage import ConfiguredStage
 from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 from transfer.classifier import build_classifier, layer_decay_param_groups
-from transfer.finetune_augment import BatchAugmentation, seed_batch_generators
-from transfer.finetune_config import train_view_group
-from transfer.label_fraction import label_subset_for_run
+from transfer.finetune.augment import BatchAugmentation, seed_batch_generators
+from transfer.finetune.config import label_fraction_name, parse_label_fraction, train_view_group
+from transfer.label_fraction import label_subset_for_run, labels_and_class_names
 
 # ============ inputs: the export, the data, the labels ============
 
@@ -66,7 +68,6 @@ class FinetuneInputs:
 
     @property
     def protocol(self) -> str:
-        from transfer.finetune_config import label_fraction_name
         return f"finetune_{label_fraction_name(self.label_fraction)}_{self.start}"
 
 
@@ -74,14 +75,7 @@ def resolve_inputs(cfg: DictConfig, run: str | None, checkpoint: str | None, sta
     """Load the export and resolve the data; raise (one line, what to do) EvaluationInputError for a missing or
     broken export, ConfigError for settings that cannot work, DatasetError for data that cannot be read or whose
     training and validation classes do not match."""
-    from eval.features import (EvaluationInputError, evaluation_crop_fraction, evaluation_image_size,
-                               load_backbone_export, resolve_checkpoint_path)
-    from pretrain.config import ConfigError
-    from pretrain.data import DatasetError
-    from pretrain.data.ffcv_loader import check_beton_fields
-    from pretrain.data.loader import check_training_data
-    from transfer.finetune_config import label_fraction_name, parse_label_fraction
-    from transfer.label_fraction import labels_and_class_names
+    from pretrain.data.ffcv_loader import check_beton_fields   # FFCV: heavy, loaded only where .beton data are read
 
     if run is not None and not Path(run).is_dir():
         raise EvaluationInputError(f"--run {run}: no such run directory; pass the directory `python -m pretrain` "

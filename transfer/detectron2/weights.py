@@ -1,7 +1,7 @@
 """The Detectron2 weight converter: a backbone export (RUN_DIR/backbone.pth) -> the .pkl Detectron2 loads.
 
-`python -m transfer detectron2 convert` (transfer/detectron2_cli.py) runs it and `... train`
-(transfer/detectron2_train.py) reads its pickle back; it needs no Detectron2 and imports neither of them.
+`python -m transfer detectron2 convert` (transfer/detectron2/__init__.py) runs it and `... train`
+(transfer/detectron2/train.py) reads its pickle back; it needs no Detectron2 and imports neither of them.
 
 The converter maps the export's ResNet (timm / torchvision names) to Detectron2's ResNet names:
 

@@ -19,10 +19,14 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from PIL import Image
+from timm.data import Mixup
+from timm.data.auto_augment import rand_augment_transform
+from timm.data.random_erasing import RandomErasing
+from timm.loss import SoftTargetCrossEntropy
 
 from pretrain.data.augment import normalise
 from pretrain.data.seeding import seeded_generator
-from transfer.finetune_config import mixup_enabled
+from transfer.finetune.config import mixup_enabled
 
 
 def seed_batch_generators(*keys: int) -> None:
@@ -40,11 +44,6 @@ class BatchAugmentation:
 
     def __init__(self, cfg: DictConfig, num_classes: int, image_size: int, mean: Sequence[float],
                  std: Sequence[float], device: torch.device):
-        from timm.data import Mixup
-        from timm.data.auto_augment import rand_augment_transform
-        from timm.data.random_erasing import RandomErasing
-        from timm.loss import SoftTargetCrossEntropy
-
         self.mean, self.std = tuple(mean), tuple(std)
         self.label_smoothing = cfg.loss.label_smoothing
         self.rand_augment = None
