@@ -21,8 +21,13 @@ from eval.features import extract_features, resolve_beton_path, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
 from eval.results import RESULTS_DIR, check_writable, write_result
+from pretrain.config import load_config
+from pretrain.data.loader import build_image_loader
+from pretrain.models import create_backbone
 from pretrain.runtime.argument_types import positive_int
+from pretrain.runtime.config_error import ConfigError
 
+HELP = "raw pixels and the random-init backbone on a config's data (k-NN and linear probe)"
 KNN_K, KNN_TEMPERATURE = 20, 0.07
 
 
@@ -30,8 +35,6 @@ def evaluate_encoder(encode: Callable[[torch.Tensor], torch.Tensor], cfg: DictCo
                      train: str | Path, val: str | Path, image_size: int | None = None) -> dict[str, float]:
     """k-NN (k=20, T=0.07) and linear-probe top-1 of `encode`, trained on `train`, scored on `val`, on images of
     `image_size` px (default: the config's first view size) preprocessed as the config's evaluation does."""
-    from pretrain.data.loader import build_image_loader
-
     size = image_size or cfg.data.views[0].size
 
     def features(path):
@@ -51,8 +54,6 @@ def random_init_backbone(cfg: DictConfig) -> torch.nn.Module:
     residual branch on. Not `model.zero_init_residual`: a ResNet whose branches start at zero (SimCLR's and SimSiam's
     start, a training-start choice) is its shortcuts alone, at chance on 16 px digits (16.7% k-NN), where the random
     feature extractor this row stands for scores 91.9%."""
-    from pretrain.models import create_backbone
-
     torch.manual_seed(cfg.seed)
     return create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size, zero_init_residual=False).eval()
 
@@ -67,10 +68,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the config")
 
 
-def run_baselines(args) -> int:
-    from pretrain.config import load_config
-    from pretrain.runtime.config_error import ConfigError
-
+def run(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as error:

@@ -5,13 +5,21 @@ Caron et al. 2021, "Emerging Properties in Self-Supervised Vision Transformers",
 Discrimination", Eq. 8): features are L2-normalised, a test sample's k nearest training samples under
 cosine similarity s_i each vote for their class with weight exp(s_i / T), and the class with the largest
 total vote is the prediction.
+
+`python -m eval knn` (the end of this file) scores a backbone export with it: `add_arguments`, `run`.
 """
 from __future__ import annotations
 
+import argparse
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from eval.inputs import EvaluationInputs, add_common_options, print_header
+from eval.results import write_results
+from pretrain.runtime.argument_types import positive_float, positive_int
 
 
 def weighted_knn(train_features: torch.Tensor, train_labels: torch.Tensor,
@@ -71,3 +79,46 @@ def weighted_knn(train_features: torch.Tensor, train_labels: torch.Tensor,
             votes.scatter_add_(1, neighbour_labels[:, :k], weights[:, :k])
             correct[k] += int((votes.argmax(dim=1) == labels).sum())
     return {k: correct[k] / len(test_features) for k in capped_ks}
+
+
+# ============ python -m eval knn ============
+
+HELP = "weighted k-NN top-1 on frozen features (DINO protocol)"
+DESCRIPTION = ("Weighted k-NN (Caron et al. 2021): cosine similarity of L2-normalised features, votes of the k "
+               "nearest training images weighted by exp(sim/T).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_options(parser)
+    parser.add_argument("--ks", type=positive_int, nargs="+", default=[10, 20, 100, 200], metavar="K",
+                        help="neighbour counts to report, each capped at the number of training images "
+                             "(default: %(default)s)")
+    parser.add_argument("--temperature", type=positive_float, default=0.07,
+                        help="T in the vote weight exp(similarity / T) (default: %(default)s)")
+    parser.add_argument("--chunk-size", type=positive_int, default=1024, metavar="N",
+                        help="validation images scored at once; memory grows with N x training images "
+                             "(default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Weighted k-NN top-1 for every k, written to RUN_DIR/eval/knn_step{step}.json and printed."""
+    started = time.perf_counter()
+    inputs = EvaluationInputs(args)
+    inputs.check_same_classes()
+    features = inputs.features()
+    train_features = features["train_features"].to(inputs.device)
+    top1 = weighted_knn(train_features, features["train_labels"], features["val_features"],
+                        features["val_labels"], ks=args.ks, temperature=args.temperature,
+                        chunk_size=args.chunk_size)
+    seconds = time.perf_counter() - started
+    num_train, num_val = len(features["train_labels"]), len(features["val_labels"])
+    path = write_results(inputs, "knn", {str(k): accuracy for k, accuracy in top1.items()},
+                         {f"eval/knn_top1_k{k}": accuracy for k, accuracy in top1.items()},
+                         {"temperature": args.temperature, "num_train": num_train, "num_val": num_val,
+                          "seconds": round(seconds, 3)})
+    print_header(f"weighted k-NN (T={args.temperature})", inputs, num_train, num_val, seconds)
+    print("      k   top-1")
+    for k, accuracy in top1.items():
+        print(f"  {k:5d}  {100 * accuracy:6.2f}%")
+    print(f"results: {path}")
+    return 0

@@ -13,10 +13,14 @@ Two ways to feed it:
 - `train_linear_probe` on cached features (one forward of the backbone per image; fast, the default);
 - `train_linear_probe_on_views` on fresh RandomResizedCrop + flip views every epoch through the frozen
   backbone (the augmented protocol of SimCLR / DINO; slower, usually a little more accurate).
+
+`python -m eval linear` (the end of this file) trains it on a backbone export: `add_arguments`, `run`.
 """
 from __future__ import annotations
 
+import argparse
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,7 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from eval.features import resolve_device
-from pretrain.data.views import ViewBatch
+from eval.inputs import EvaluationInputs, add_common_options, print_header, random_seed
+from eval.results import write_results
+from pretrain.data.loader import build_view_loader
+from pretrain.data.views import ViewBatch, ViewGroup
+from pretrain.runtime.argument_types import number, positive_int
 
 
 class ViewEpochs(Protocol):
@@ -192,3 +200,80 @@ def train_linear_probe_on_views(backbone: nn.Module, view_batches_per_epoch: Vie
             optimizer.step()
         per_epoch.append(linear_probe_accuracy(head, val_features, val_labels))
     return accuracy_by_epoch(per_epoch)
+
+
+# ============ python -m eval linear ============
+
+HELP = "linear probe on frozen features"
+DESCRIPTION = ("Linear probe (MAE head: BatchNorm without affine, then Linear) trained with SGD + momentum and a cosine "
+               "schedule on frozen features; reports validation top-1 after the last epoch (top1) and the best over "
+               "epochs (best_top1, as DINO's eval_linear.py; chosen on the validation set).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_options(parser)
+    parser.add_argument("--augment", action="store_true",
+                        help="train on fresh RandomResizedCrop(0.08-1) + flip views every epoch through the frozen "
+                             "backbone instead of cached features (slower); validation stays un-augmented")
+    parser.add_argument("--epochs", type=positive_int, default=100,
+                        help="training epochs of the linear classifier (default: %(default)s)")
+    # The probe standardises its features (BatchNorm), so one lr range fits every backbone: MAE's probe peaks at 6.4
+    # (0.1 x 16384 / 256); beyond 10 the weights blow up (1e300 is not even a float32).
+    parser.add_argument("--lr", type=number(float, above=0, at_most=10), default=0.1,
+                        help="peak learning rate of the cosine schedule, in (0, 10] (default: %(default)s)")
+    parser.add_argument("--batch-size", type=number(int, at_least=2), default=256, metavar="N",
+                        help="linear-probe batch size, at least 2: the probe's BatchNorm standardises each batch "
+                             "(default: %(default)s)")
+    parser.add_argument("--momentum", type=number(float, at_least=0, below=1), default=0.9,
+                        help="SGD momentum, in [0, 1) (default: %(default)s)")
+    parser.add_argument("--weight-decay", type=number(float, at_least=0, at_most=1), default=0.0,
+                        help="SGD weight decay, in [0, 1] (default: %(default)s)")
+    parser.add_argument("--seed", type=random_seed, default=0,
+                        help="seed of the classifier init, shuffling and augmentation (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Linear probe on frozen features (cached, or fresh augmented views with --augment), written to
+    RUN_DIR/eval/linear[_augmented]_step{step}.json and printed."""
+    started = time.perf_counter()
+    inputs = EvaluationInputs(args)
+    inputs.check_same_classes()
+    features = inputs.features()
+    num_train, num_val = len(features["train_labels"]), len(features["val_labels"])
+    if args.augment:
+        protocol = "linear_augmented"
+        num_classes = int(max(features["train_labels"].max(), features["val_labels"].max())) + 1
+        accuracy = train_linear_probe_on_views(inputs.export.backbone, build_augmented_views(inputs, args),
+                                               features["val_features"], features["val_labels"],
+                                               num_classes=num_classes, epochs=args.epochs, lr=args.lr,
+                                               momentum=args.momentum, weight_decay=args.weight_decay,
+                                               device=inputs.device, seed=args.seed)
+    else:
+        protocol = "linear"
+        accuracy = train_linear_probe(features["train_features"], features["train_labels"],
+                                      features["val_features"], features["val_labels"], epochs=args.epochs,
+                                      lr=args.lr, batch_size=args.batch_size, momentum=args.momentum,
+                                      weight_decay=args.weight_decay, device=inputs.device, seed=args.seed)
+    seconds = time.perf_counter() - started
+    path = write_results(inputs, protocol, accuracy.final,
+                         {f"eval/{protocol}_top1": accuracy.final, f"eval/{protocol}_best_top1": accuracy.best},
+                         {"best_top1": accuracy.best, "best_epoch": accuracy.best_epoch,
+                          "epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size,
+                          "augment": bool(args.augment), "seed": args.seed, "num_train": num_train,
+                          "num_val": num_val, "seconds": round(seconds, 3)})
+    title = "linear probe" + (" (augmented views)" if args.augment else " (cached features)")
+    print_header(title, inputs, num_train, num_val, seconds)
+    print(f"  epochs {args.epochs}   top-1 after the last epoch {100 * accuracy.final:6.2f}%   best "
+          f"{100 * accuracy.best:6.2f}% (epoch {accuracy.best_epoch}, chosen on the validation set)")
+    print(f"results: {path}")
+    return 0
+
+
+def build_augmented_views(inputs: EvaluationInputs, args: argparse.Namespace):
+    """The training set as one RandomResizedCrop(0.08-1) + flip view per image, fresh every epoch."""
+    group = ViewGroup(count=1, size=inputs.image_size, scale=(0.08, 1.0), jitter_p=0.0, grayscale_p=0.0)
+    canvas_size = inputs.export.config.get("data", {}).get("canvas_size")          # 0 (the decoded image) counts
+    canvas_size = inputs.image_size if canvas_size is None else canvas_size
+    return build_view_loader(inputs.train_path, [group], args.batch_size, device=inputs.device,
+                             canvas_size=canvas_size, mean=inputs.mean, std=inputs.std,
+                             num_workers=inputs.num_workers, seed=args.seed, drop_last=True)

@@ -13,10 +13,12 @@ import json
 import re
 from pathlib import Path
 
+from eval.baselines import KNN_K
 from eval.features import EvaluationInputError
 from eval.results import RESULTS_DIR, check_writable
 from pretrain.runtime.argument_types import positive_int
 
+HELP = "plot k-NN accuracy against training step for runs (PNG)"
 KNN_RESULT = re.compile(r"knn_step(\d{7})\.json")
 
 
@@ -74,8 +76,6 @@ def online_curve(run_dir: Path, smooth: int) -> list[tuple[int, float]]:
 
 def baseline_knn(baselines_dir: Path, k: int) -> dict[str, float]:
     """{"raw pixels": top-1, "random init": top-1} of BASELINES_DIR/eval/baselines_step0000000.json (k = 20)."""
-    from eval.baselines import KNN_K
-
     path = baselines_dir / RESULTS_DIR / "baselines_step0000000.json"
     if not path.is_file():
         raise EvaluationInputError(f"--baselines {baselines_dir}: no {path}; write it with `python -m eval baselines "
@@ -145,7 +145,7 @@ def add_arguments(parser) -> None:
                         help="draw the raw-pixel and random-init k-NN of `python -m eval baselines --out-dir DIR`")
 
 
-def run_plot(args) -> int:
+def run(args) -> int:
     if args.out.is_dir() or args.out.suffix.lower() != ".png":
         raise EvaluationInputError(f"--out {args.out} must be a .png file (e.g. {args.out.with_suffix('.png').name} "
                                    "or docs/knn_curves.png)")

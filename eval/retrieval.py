@@ -23,14 +23,24 @@ retrieval metric (its image still is a database entry for the other queries) and
 The similarities are computed `chunk_size` queries at a time, so memory is O(chunk_size x N); only the first
 max(R_max, max k) ranks of each query are kept. Runs on the device of `features` (CPU or GPU); k-means on the
 CPU (scikit-learn).
+
+`python -m eval retrieval` (the end of this file) scores a backbone export with them: `add_arguments`, `run`.
 """
 from __future__ import annotations
 
+import argparse
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from eval.features import EvaluationInputError, embed
+from eval.inputs import EvaluationInputs, add_common_options, class_names, print_header, random_seed
+from eval.results import write_results
+from pretrain.runtime.argument_types import positive_int
 
 
 def retrieval_per_query(features: torch.Tensor, labels: torch.Tensor, ks: Sequence[int] = (1, 2, 4, 8),
@@ -105,6 +115,7 @@ def retrieval_metrics(features: torch.Tensor, labels: torch.Tensor, ks: Sequence
 def clustering_nmi(features: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> float:
     """NMI of k-means (as many clusters as classes, on the L2-normalised features) against the classes,
     I / sqrt(H(clusters) H(classes)) as paper 001 defines it."""
+    # scikit-learn takes seconds to import, and only k-means needs it
     from sklearn.cluster import KMeans
     from sklearn.metrics import normalized_mutual_info_score
 
@@ -116,3 +127,98 @@ def clustering_nmi(features: torch.Tensor, labels: torch.Tensor, seed: int = 0) 
     points = F.normalize(features.float(), dim=1).cpu().numpy()
     clusters = KMeans(n_clusters=classes, n_init=10, random_state=seed).fit_predict(points)
     return float(normalized_mutual_info_score(labels, clusters, average_method="geometric"))
+
+
+# ============ python -m eval retrieval ============
+
+HELP = "image retrieval (Recall@k, MAP@R, R-mAP) and k-means NMI among the validation images"
+DESCRIPTION = ("Deep-metric-learning evaluation (eval/retrieval.py): every validation image queries the others by "
+               "cosine similarity of L2-normalised features; Recall@k, precision@1, R-precision, MAP@R, R-mAP "
+               "(paper 000, appendix C) and the NMI of k-means with as many clusters as classes.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_options(parser)
+    parser.add_argument("--split-classes", action="store_true",
+                        help="evaluate only the images of the second half of the classes (labels >= C/2, C from "
+                             "the data's class names): the unseen classes of a run trained on the first half")
+    parser.add_argument("--ks", type=positive_int, nargs="+", default=[1, 2, 4, 8], metavar="K",
+                        help="ranks of Recall@k (default: %(default)s)")
+    parser.add_argument("--chunk-size", type=positive_int, default=1024, metavar="N",
+                        help="queries scored at once; memory grows with N x images (default: %(default)s)")
+    parser.add_argument("--features", choices=("embedding", "backbone"),
+                        help="rank by the embedding the method trained (its exported head on the backbone's "
+                             "features: the metric-learning methods) or by the backbone's features (default: the "
+                             "embedding when the export has a head, else the backbone; a backbone result of an "
+                             "export with a head is written as retrieval_backbone)")
+    parser.add_argument("--seed", type=random_seed, default=0, help="k-means seed (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Retrieval (Recall@k, precision@1, R-precision, MAP@R, R-mAP) and k-means NMI among the validation images,
+    with --split-classes among those of the second half of the classes (the DML split), written to
+    RUN_DIR/eval/retrieval[_backbone]_step{step}.json and printed.
+
+    The images are ranked by the embedding the method trained (its exported head on the backbone's features) when
+    the export has one, else by the backbone's features; --features chooses. The default's result is
+    `retrieval`, the backbone's of an export with a head `retrieval_backbone` (both can be kept)."""
+    started = time.perf_counter()
+    inputs = EvaluationInputs(args)
+    head = inputs.export.embedding_head
+    default = "embedding" if head is not None else "backbone"
+    evaluated = args.features or default
+    if evaluated == "embedding" and head is None:
+        raise EvaluationInputError(f"{inputs.checkpoint} has no embedding head (its method trains none, or it was "
+                                   "exported before heads were): evaluate its backbone with --features backbone")
+    protocol = "retrieval" if evaluated == default else f"retrieval_{evaluated}"
+    features = inputs.features()
+    val_features, val_labels = features["val_features"], features["val_labels"]
+    if len(val_labels) and int(val_labels.min()) < 0:
+        raise EvaluationInputError(f"{inputs.val_path} has images without a class label (-1); retrieval needs the "
+                                   "classes: write it from an image folder with one sub-folder per class")
+    num_classes = None
+    if args.split_classes:
+        num_classes = number_of_classes(inputs.val_path, features)
+        keep = val_labels >= num_classes // 2
+        if not keep.any():
+            raise EvaluationInputError(f"--split-classes keeps the images of classes {num_classes // 2}-"
+                                       f"{num_classes - 1} of {inputs.val_path}, and it has none")
+        val_features, val_labels = val_features[keep], val_labels[keep]
+    if evaluated == "embedding":
+        val_features = embed(head, val_features.to(inputs.device)).cpu()
+    metrics = retrieval_metrics(val_features.to(inputs.device), val_labels, ks=args.ks, chunk_size=args.chunk_size)
+    num_classes_evaluated = len(torch.unique(val_labels))
+    if num_classes_evaluated >= 2:
+        metrics["nmi"] = clustering_nmi(val_features, val_labels, seed=args.seed)
+    else:                                    # k-means against one class has no mutual information to measure
+        metrics["nmi"], metrics["nmi_skipped"] = None, "one class: NMI is undefined"
+    seconds = time.perf_counter() - started
+    tags = {"precision@1": "precision_at_1", "r_precision": "r_precision", "map@r": "map_at_r", "r_map": "r_map",
+            **({"nmi": "nmi"} if metrics["nmi"] is not None else {}),
+            **{f"recall@{k}": f"recall_at_{k}" for k in args.ks}}
+    classes_evaluated = sorted(int(c) for c in torch.unique(val_labels))
+    path = write_results(inputs, protocol, metrics["recall@1"] if 1 in args.ks else metrics["precision@1"],
+                         {f"eval/{protocol}_{tag}": metrics[name] for name, tag in tags.items()},
+                         {**metrics, "features": evaluated, "dimensions": int(val_features.shape[1]),
+                          "split_classes": bool(args.split_classes), "classes": classes_evaluated,
+                          "num_images": len(val_labels), "seed": args.seed, "seconds": round(seconds, 3)})
+    print_header(f"retrieval on the {evaluated} ({int(val_features.shape[1])} dimensions)"
+                 + (", second half of the classes" if args.split_classes else ""), inputs,
+                 len(features["train_labels"]), len(val_labels), seconds)
+    print(f"  {len(val_labels)} images of classes {classes_evaluated}, every one a query against the others"
+          + (f" ({metrics['no_relevant']} without another image of their class left out)"
+             if metrics["no_relevant"] else ""))
+    for name in [*(f"recall@{k}" for k in args.ks), "precision@1", "r_precision", "map@r", "r_map", "nmi"]:
+        print(f"  {name:12s} {100 * metrics[name]:6.2f}%" if metrics[name] is not None
+              else f"  {name:12s} skipped ({metrics['nmi_skipped']})")
+    print(f"results: {path}")
+    return 0
+
+
+def number_of_classes(path: Path, features: dict[str, torch.Tensor]) -> int:
+    """The classes of a dataset: its class names (`class_names`), else the largest label of the train and val
+    features plus one."""
+    names = class_names(path)
+    if names is not None:
+        return len(names)
+    return int(max(features["train_labels"].max(), features["val_labels"].max())) + 1

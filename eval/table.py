@@ -21,6 +21,8 @@ import yaml
 from eval.results import made_by
 from pretrain.runtime.atomic_write import write_text_atomically
 
+HELP = "the results table of finished, evaluated runs (Markdown)"
+
 
 class TableInputError(ValueError):
     """A run directory the table cannot be made from; the message names it and what to run."""
@@ -93,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.md", help="also write the table there, and the rows as FILE.json")
 
 
-def run_table(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     rows = [run_row(Path(run)) for run in args.runs]
     command = shlex.join(["python", "-m", "eval", "table", *args.runs, *(["--out", args.out] if args.out else [])])
     table = markdown(rows) + "\n\n" + made_by(command)[0]

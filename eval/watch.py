@@ -37,13 +37,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from eval import knn, linear, retrieval
+from eval.features import EvaluationInputError
+from eval.inputs import add_data_options
 from eval.results import feature_cache_path, result_path
 from pretrain.export import EXPORTS, export_path, published_export_steps
-from pretrain.runtime.argument_types import number
+from pretrain.runtime.argument_types import CommandLineParser, number
 from pretrain.runtime.graceful_stop import PENDING_STOP_SIGNAL
+from pretrain.runtime.run_lock import RunDirectoryInUse, RunLock
 
-PROTOCOLS = ("knn", "linear", "retrieval")   # the sub-commands of `python -m eval` the watcher can run
+# The sub-commands of `python -m eval` the watcher can run, by name: their modules' add_arguments and run.
+PROTOCOL_COMMANDS = {"knn": knn, "linear": linear, "retrieval": retrieval}
+PROTOCOLS = tuple(PROTOCOL_COMMANDS)
 FORWARDED = ("train", "val", "image_size", "crop_fraction", "device", "num_workers", "feature_batch_size")
+
+HELP = "evaluate every checkpoint of a (running) pretraining run, once each"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until-job", metavar="JOBID",
                         help="the pretraining's Slurm job: stop (exit status 1) once it has ended without "
                              "finishing the run")
+    add_data_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    return watch(args)
 
 
 # Slurm job states (squeue %T) of a job that may still write checkpoints, requeued ones included.
@@ -119,10 +132,22 @@ def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]],
     return todo, skipped
 
 
+def protocol_parser(protocol: str) -> argparse.ArgumentParser:
+    """The command line of `python -m eval PROTOCOL` (its options, its errors), without the other commands'."""
+    parser = CommandLineParser(prog=f"python -m eval {protocol}")
+    PROTOCOL_COMMANDS[protocol].add_arguments(parser)
+    return parser
+
+
+def evaluate(argv: list[str]) -> None:
+    """Run one protocol in this process as `python -m eval ARGV` would, its errors let through: how the watcher
+    evaluates an export."""
+    PROTOCOL_COMMANDS[argv[0]].run(protocol_parser(argv[0]).parse_args(argv[1:]))
+
+
 def run_protocol(args: argparse.Namespace, protocol: str, step: int,
                  evaluate: Callable[[list[str]], object]) -> None:
-    """`python -m eval PROTOCOL --run RUN_DIR --checkpoint EXPORT [data options]`, run by `evaluate` (eval.__main__'s
-    runs it in this process)."""
+    """`python -m eval PROTOCOL --run RUN_DIR --checkpoint EXPORT [data options]`, run by `evaluate`."""
     argv = [protocol, "--run", str(args.run), "--checkpoint", str(export_path(args.run, step))]
     for name in FORWARDED:
         value = getattr(args, name, None)
@@ -144,11 +169,9 @@ def raise_stop(signum: int, frame) -> None:
     raise WatcherStopped(signum)
 
 
-def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object]) -> int:
-    """Follow `args.run` (see the module docstring); `evaluate(argv)` runs one `python -m eval` protocol command."""
-    from eval.features import EvaluationInputError
-    from pretrain.runtime.run_lock import RunDirectoryInUse, RunLock
-
+def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = evaluate) -> int:
+    """Follow `args.run` (see the module docstring); `evaluate(argv)` runs one `python -m eval` protocol command (in
+    this process; a test passes its own)."""
     run_dir = Path(args.run)
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     unknown = [p for p in protocols if p not in PROTOCOLS]

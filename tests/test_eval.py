@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.__main__ import EvaluationInputs, main
+from eval.__main__ import main
 from eval.features import EvaluationInputError, extract_features, load_backbone_export
+from eval.inputs import EvaluationInputs
 from eval.knn import weighted_knn
 from eval.linear import cosine_learning_rate, train_linear_probe
 from pretrain.models import create_backbone

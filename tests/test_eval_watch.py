@@ -85,8 +85,8 @@ def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_aft
     each export (it used to crash on the first vanished one). With --protocols linear,knn the features are extracted
     once per step and removed after the step's last protocol (the cache used to be removed after the
     alphabetically last, linear, so knn extracted it again and left it behind)."""
-    from eval.__main__ import build_parser, evaluate
-    from eval.watch import watch
+    from eval.__main__ import build_parser
+    from eval.watch import evaluate, watch
 
     run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6, 9))
     calls = []
@@ -115,8 +115,8 @@ def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_ev
     import os
     import signal
 
-    from eval.__main__ import build_parser, evaluate
-    from eval.watch import watch
+    from eval.__main__ import build_parser
+    from eval.watch import evaluate, watch
 
     run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6))
     evaluated = []

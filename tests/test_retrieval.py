@@ -143,7 +143,8 @@ def test_cli_retrieval_with_split_classes_writes_json_and_tensorboard(tmp_path, 
     """`python -m eval retrieval --split-classes` on a random-init ResNet-18: only the images of classes 5-9
     of the validation data are evaluated, and the JSON and TensorBoard hold their metrics, recomputed here
     from the cached features."""
-    from eval.__main__ import EvaluationInputs, main
+    from eval.__main__ import main
+    from eval.inputs import EvaluationInputs
 
     train = write_small_set(tmp_path / "train.beton", [c % 5 for c in range(20)], seed=0)
     val = write_small_set(tmp_path / "val.beton", [c % 10 for c in range(40)], seed=1)
@@ -243,7 +244,7 @@ def test_export_carries_the_embedding_head_beside_an_unchanged_backbone(group_of
 def planted_export_and_features(tmp_path, monkeypatch, with_head: bool):
     """A run whose export has (or lacks) a 2-layer embedding head with BatchNorm statistics, and planted backbone
     features of 30 validation images (EvaluationInputs.features is what the cache or the extraction returns)."""
-    from eval.__main__ import EvaluationInputs
+    from eval.inputs import EvaluationInputs
     from pretrain.models import mlp
 
     g = torch.Generator().manual_seed(4)

@@ -5,12 +5,16 @@ a bad value is refused by argparse in one line naming the option and the range, 
     parser.add_argument("--budgets", type=number_list(int, at_least=1))       # "3,5,10" -> [3, 5, 10]
 
 Every number is finite: `nan`, `inf` and `1e400` are refused, whatever the range.
+
+`add_command` adds a sub-command run by a command module (`python -m eval knn`: eval/knn.py).
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Callable, NoReturn
 
 
@@ -22,6 +26,22 @@ class CommandLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def add_command(commands: argparse._SubParsersAction, name: str, module: ModuleType) -> argparse.ArgumentParser:
+    """The sub-command `name`, run by `module`, a command module: HELP (its line in the list of commands),
+    `add_arguments(parser)` and `run(args) -> int` (the exit status, called as `args.handler(args)`). Its --help
+    shows its DESCRIPTION, a paragraph wrapped to the terminal's width, else its docstring as written; an EPILOG
+    (examples) is shown as written, and so is a DESCRIPTION beside one."""
+    description = getattr(module, "DESCRIPTION", None)
+    epilog = getattr(module, "EPILOG", None)
+    as_written = description is None or epilog is not None
+    parser = commands.add_parser(name, help=module.HELP, description=description or module.__doc__, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter if as_written
+                                 else argparse.HelpFormatter)
+    module.add_arguments(parser)
+    parser.set_defaults(handler=module.run)
+    return parser
 
 
 def describe_range(at_least=None, above=None, at_most=None, below=None) -> str:
@@ -92,8 +112,6 @@ non_negative_float = number(float, at_least=0)
 
 def output_folder(text: str) -> str:
     """A folder to write into (--out-dir): it may not exist yet, but it may not be a file."""
-    from pathlib import Path
-
     if Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; the outputs are written into a folder: pass a folder "
                                          "(it is created when missing)")
