@@ -243,7 +243,7 @@ def build_executor(options: ClusterOptions, folder: Path, job_name: str, depende
     """A submitit executor for `options` (sbatch through SlurmExecutor, or local processes through
     LocalExecutor), writing its scripts and logs to `folder`; `dependency` applies on Slurm (a local job
     runs its stages in order instead)."""
-    import submitit
+    import submitit  # seconds to import: only a command that submits pays for it
 
     if options.cluster == "local":
         executor = submitit.LocalExecutor(folder=str(folder), max_num_timeout=options.max_requeues)
@@ -260,7 +260,7 @@ def sbatch_refusal_in_one_line(options: ClusterOptions, folder: Path):
     """Around a submission: sbatch's refusal (no Slurm controller answers, a partition or account it does not
     know...) becomes a LaunchError naming it, not submitit's traceback, and what the failed submission wrote in
     `folder` (its script, the folders made for it) is removed."""
-    import submitit
+    import submitit  # as in build_executor
 
     if options.cluster != "slurm":
         yield
@@ -301,6 +301,15 @@ def record_job(run_dir: Path, kind: str, job, options: ClusterOptions, steps: li
     with open(path, "a") as jobs:
         jobs.write(("\n" if torn else "") + json.dumps(entry) + "\n")
     return entry
+
+
+def existing_run(run: str, what: str) -> Path:
+    """The run directory a job works on, refused before submitting when it does not exist (a job would wait for
+    it, or fail, long after the command returned)."""
+    run_dir = Path(run).resolve()
+    if not run_dir.is_dir():
+        raise LaunchError(f"--run {run}: no such run directory; {what}")
+    return run_dir
 
 
 def report(entry: dict, run_dir: Path) -> None:

@@ -1,389 +1,39 @@
-"""Hyper-parameter search whose trials are `launch` jobs: `python -m launch grid` measures the objective on a grid,
-`python -m launch hpo` searches (the balance paper's coordinate descent, or Optuna's random search, TPE, CMA-ES).
-
-A trial is one job (Slurm, or a local process; `--cluster` and the other cluster flags as for `launch pretrain`):
-
-    python -m pretrain --config CONFIG OVERRIDES KEY=VALUE ... run_dir=SEARCH_DIR/trials/NAME
-    python -m eval PROTOCOL --run SEARCH_DIR/trials/NAME EVAL_ARGS
-
-and its value is a field of the evaluation's JSON, `--objective PROTOCOL:FIELD` (`knn:top1.20`, the k-NN top-1 at
-k = 20; `retrieval:r_map`). At most `--parallel` trials run at once (a grid on Slurm: one job array). Started again
-with the same command, a stopped grid or search goes on: a trial whose result JSON exists is read, not run; one whose
-job still runs (jobs outlive the command that submitted them) is waited for; one whose job was killed is submitted
-again and resumes from its checkpoint. `hpo` keeps its trials in an Optuna study (SEARCH_DIR/study.db, SQLite):
-`optuna-dashboard sqlite:///SEARCH_DIR/study.db` and Optuna's plots open it. Coordinate descent runs one trial at a
-time (each line search step depends on the one before); Optuna's samplers run `--parallel` at once.
-
-    space = [SearchKey.parse("method.lambda_p=0.0625:4:log"), SearchKey.parse("method.lambda_e=0.0625:4:log")]
-    objective = Objective.parse("knn:top1.20")
-"""
+"""`python -m launch hpo`: a hyper-parameter search whose trials are jobs (launch/trials.py), kept in an Optuna study
+(SEARCH_DIR/study.db) that a restarted search resumes: the balance paper's coordinate descent
+(launch/coordinate_descent.py, one trial at a time), or Optuna's random search, TPE and CMA-ES (--parallel at once).
+At the end: the table of trials (SEARCH_DIR/trials.json) and the best value against the number of trials
+(SEARCH_DIR/best_so_far.png)."""
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
 import math
-import re
-import shutil
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
-from typing import ClassVar
 
 import numpy as np
 
-from launch.cluster import ClusterOptions, LaunchError, submit, submit_array
+import launch.trials
+from launch.cluster import LaunchError, add_cluster_arguments, cluster_options
 from launch.coordinate_descent import PAPER_DIRECTIONS, coordinate_descent
-from launch.jobs import Step
-from launch.sweep import run_name
-from pretrain.runtime.argument_types import (non_negative_int, number, number_list, output_folder, parse_number,
-                                             positive_int)
+from launch.hpo_replay import format_table
+from launch.trials import Objective, SearchKey, TrialJobs, add_trial_arguments, assignments, config_value
+from pretrain.runtime.argument_types import non_negative_int, number_list, positive_int
 
+HELP = "a hyper-parameter search whose trials are jobs (cd, random, tpe, cmaes)"
+DESCRIPTION = launch.trials.__doc__
+EPILOG = ("example:\n  python -m launch hpo --config configs/pretrain/simclr_digits.yaml --space "
+          "method.lambda_p=0.0625:4:log --space method.lambda_e=0.0625:4:log --method cd --trials 20 --cluster local "
+          "--out-dir runs/hpo_simclr_cd")
 SEARCH_METHODS = ("cd", "random", "tpe", "cmaes")
 
-
-# ============ what is searched and what is measured ============
-
-@dataclass(frozen=True)
-class SearchKey:
-    """A config key searched between `low` and `high`, on a log scale (`log`) or a linear one."""
-
-    key: str
-    low: float
-    high: float
-    log: bool
-
-    @classmethod
-    def parse(cls, text: str) -> "SearchKey":
-        """`KEY=LOW:HIGH` (linear) or `KEY=LOW:HIGH:log`."""
-        match = re.fullmatch(r"([A-Za-z_][\w.]*)=([^:]+):([^:]+)(?::(log|linear))?", text.strip())
-        try:
-            key, low, high, scale = match.group(1), float(match.group(2)), float(match.group(3)), match.group(4)
-        except (AttributeError, ValueError):
-            raise LaunchError(f"--space {text!r} is not KEY=LOW:HIGH[:log] (e.g. --space method.lambda_p=0.0625:4:log)"
-                              ) from None
-        log = scale == "log"
-        if not low < high or (log and low <= 0):
-            raise LaunchError(f"--space {text!r}: LOW must be below HIGH, and positive on a log scale")
-        return cls(key, low, high, log)
-
-    def to_search(self, value: float) -> float:
-        """The coordinate the search moves in: log(value) on a log scale."""
-        return math.log(value) if self.log else value
-
-    def from_search(self, coordinate: float) -> float:
-        value = math.exp(coordinate) if self.log else coordinate
-        return min(max(value, self.low), self.high)          # exp(log(x)) may leave the box by a rounding error
-
-
-@dataclass(frozen=True)
-class Objective:
-    """`PROTOCOL:FIELD`: the evaluation a trial ends with (`python -m eval PROTOCOL`) and the field of its JSON
-    (dots go into nested fields: `top1.20`) that is maximised."""
-
-    protocol: str
-    field: str
-
-    @classmethod
-    def parse(cls, text: str) -> "Objective":
-        from eval.watch import PROTOCOLS
-
-        protocol, _, field = text.partition(":")
-        if protocol not in PROTOCOLS or not field:
-            raise LaunchError(f"--objective {text!r} is not PROTOCOL:FIELD with a protocol of {PROTOCOLS} (e.g. "
-                              "knn:top1.20, linear:top1, retrieval:r_map)")
-        return cls(protocol, field)
-
-    def check_arguments(self, eval_args: list[str]) -> None:
-        """Refuse extra `python -m eval PROTOCOL` arguments that eval would refuse, before any trial runs."""
-        from eval.__main__ import build_parser
-
-        try:
-            build_parser().parse_args([self.protocol, "--run", "RUN_DIR", *eval_args])
-        except SystemExit:
-            raise LaunchError(f"--eval-args {' '.join(eval_args)!r}: `python -m eval {self.protocol}` does not take "
-                              f"them (see python -m eval {self.protocol} --help)") from None
-
-    def read(self, run_dir: Path) -> float | None:
-        """The value in the newest RUN_DIR/eval/PROTOCOL_step*.json; None before there is one."""
-        results = sorted((run_dir / "eval").glob(f"{self.protocol}_step*.json"))
-        if not results:
-            return None
-        value = json.loads(results[-1].read_text())
-        for part in self.field.split("."):
-            if not isinstance(value, dict) or part not in value:
-                fields = sorted(value) if isinstance(value, dict) else []
-                raise LaunchError(f"--objective {self.protocol}:{self.field}: {results[-1]} has no {part!r}; its "
-                                  f"fields here: {', '.join(fields)}")
-            value = value[part]
-        return float(value)
-
-
-def config_value(config: str | None, overrides: list[str], key: str, option: str) -> int | float:
-    """The value of a dotted config key in the config (with overrides), to know its type and starting value; a key
-    that is not a number (`method.name`) is refused naming `option`: a search moves numbers."""
-    from pretrain.config import load_config
-
-    value = load_config(config, overrides)
-    for part in key.split("."):
-        if not hasattr(value, part):
-            raise LaunchError(f"{key}: the config has no such key (see pretrain/config.py)")
-        value = getattr(value, part)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LaunchError(f"{option} {key}: the config's {key} is {value!r}, not a number; {option} searches numeric "
-                          "keys (to compare values of another kind, use `launch pretrain --sweep`)")
-    return value
-
-
-def assignments(values: dict[str, float], integer_keys: set[str]) -> list[str]:
-    """Config overrides for one trial: `key=value`, integer keys (a batch size) rounded."""
-    return [f"{key}={round(value) if key in integer_keys else f'{value:.6g}'}" for key, value in values.items()]
-
-
-# ============ running trials as jobs ============
-
-ACTIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING",
-                 "SUSPENDED")
-
-
-@dataclass
-class SubmittedBefore:
-    """A trial's job that a stopped search submitted and that still runs (Slurm jobs outlive the search, and so do
-    local ones): waited for, not submitted again. Its outcome is the result JSON it writes, or none."""
-
-    record: dict              # its line of RUN_DIR/jobs.jsonl
-    run_dir: Path
-
-    @property
-    def job_id(self) -> str:
-        return self.record["job_id"]
-
-    @property
-    def paths(self) -> SimpleNamespace:
-        return SimpleNamespace(stderr=self.record.get("stderr"))
-
-    def done(self) -> bool:
-        from launch.status import job_state
-
-        return job_state(self.record, self.run_dir) not in ACTIVE_STATES
-
-    def exception(self) -> None:
-        return None
-
-
-def still_running(run_dir: Path, kind: str = "trial") -> SubmittedBefore | None:
-    """The run's last job of this kind (jobs.jsonl's), when it is still pending or running."""
-    from launch.status import job_state, latest_job_of_each_stage
-
-    for record in latest_job_of_each_stage(run_dir):
-        if record["kind"] == kind and job_state(record, run_dir) in ACTIVE_STATES:
-            return SubmittedBefore(record, run_dir)
-    return None
-
-
-@dataclass
-class TrialJobs:
-    """Runs trials as launch jobs, at most `parallel` at once, each in SEARCH_DIR/trials/NAME. `kind` names them in
-    jobs.jsonl and in the messages (a benchmark's rows are `row`: launch/benchmark.py)."""
-
-    options: ClusterOptions
-    search_dir: Path
-    config: str | None
-    overrides: list[str]
-    objective: Objective
-    eval_args: list[str]
-    parallel: int = 1
-    keep_checkpoints: bool = False
-    poll_seconds: ClassVar[float] = 1.0          # how often running jobs are checked
-    kind: ClassVar[str] = "trial"
-
-    def run_dir(self, name: str) -> Path:
-        return self.search_dir / "trials" / name
-
-    def pretrain_overrides(self, name: str, trial_overrides: list[str]) -> list[str]:
-        """The config overrides of the trial's pretraining."""
-        return [*self.overrides, *trial_overrides, f"name={name}", f"run_dir={self.run_dir(name)}"]
-
-    def steps(self, name: str, trial_overrides: list[str]) -> list[Step]:
-        run_dir = self.run_dir(name)
-        config = ["--config", str(Path(self.config).resolve())] if self.config else []
-        return [Step("pretrain", [*config, *self.pretrain_overrides(name, trial_overrides)]),
-                Step("eval", [self.objective.protocol, "--run", str(run_dir), *self.eval_args], distributed=False)]
-
-    def check_trial(self, name: str, trial_overrides: list[str], option: str) -> None:
-        """Load the config the trial's pretraining would, so that a value the config refuses (`optim.name=1`, a
-        crop fraction above 1) is named, with the `option` that gave it, before any job is submitted."""
-        from pretrain.config import load_config
-
-        try:
-            load_config(self.config, self.pretrain_overrides(name, trial_overrides))
-        except ValueError as error:
-            raise LaunchError(f"{option} gives a trial {' '.join(trial_overrides)}, which the config refuses: "
-                              f"{error}") from None
-
-    def tidy(self, run_dir: Path) -> None:
-        """A measured trial keeps its result, config, metrics, logs and final export (backbone.pth); its checkpoints,
-        exports and feature cache go (about 0.6 GB a digits trial: a 49-point grid kept 30 GB), unless
-        --keep-checkpoints."""
-        if self.keep_checkpoints:
-            return
-        for folder in ("checkpoints", "exports"):
-            shutil.rmtree(run_dir / folder, ignore_errors=True)
-        for cache in (run_dir / "eval").glob("features_step*.pt"):
-            cache.unlink(missing_ok=True)
-
-    def submit_trial(self, name: str, trial_overrides: list[str]):
-        """Submit one trial's job (a submitit job: done(), exception(), paths.stderr)."""
-        job = submit(self.options, self.run_dir(name), self.kind, self.steps(name, trial_overrides), announce=False)
-        print(f"{self.kind} {name}: job {job.job_id} ({self.options.cluster}), log {job.paths.stderr}", flush=True)
-        return job
-
-    def submit_array(self, trials: list[tuple[object, str, list[str]]]) -> list:
-        """Submit trials known in advance (a grid's points) as one Slurm job array, `parallel` running at once."""
-        jobs = submit_array(self.options, self.search_dir / "jobs", self.search_dir.name, self.kind,
-                            [(self.run_dir(name), self.steps(name, overrides)) for _, name, overrides in trials],
-                            parallel=self.parallel, announce=False)
-        for (_, name, _), job in zip(trials, jobs):
-            print(f"{self.kind} {name}: job {job.job_id} (slurm array), log {job.paths.stderr}", flush=True)
-        return jobs
-
-    def run(self, trials: Iterator[tuple[object, str, list[str]]],
-            finished: Callable[[object, float | None], None], as_array: bool = False) -> None:
-        """Run every (tag, name, overrides) the iterator yields, `parallel` at a time, calling finished(tag, value)
-        for each (value None: the job failed). The iterator is advanced only when a job slot is free, so what it
-        yields may depend on the trials finished before. `as_array`: on Slurm, submit them all at once as one job
-        array (Slurm keeps `parallel` running); locally, as without it."""
-        running: dict[object, tuple[object, Path, object]] = {}
-
-        def done(tag, run_dir: Path, value: float | None) -> None:
-            if value is not None:
-                self.tidy(run_dir)
-            finished(tag, value)
-
-        def measured_before(tag, name) -> bool:
-            """A resumed search's trial: finished (read, not run again), or its job still running (waited for)."""
-            value = self.objective.read(self.run_dir(name))
-            if value is not None:
-                done(tag, self.run_dir(name), value)
-                return True
-            job = still_running(self.run_dir(name), self.kind)
-            if job is not None:
-                print(f"{self.kind} {name}: its job {job.job_id} from before is still running; waiting for it",
-                      flush=True)
-                running[job.job_id] = (tag, self.run_dir(name), job)
-            return job is not None
-
-        if as_array and self.options.cluster == "slurm":
-            todo = [(tag, name, overrides) for tag, name, overrides in trials if not measured_before(tag, name)]
-            if todo:
-                for (tag, name, _), job in zip(todo, self.submit_array(todo)):
-                    running[job.job_id] = (tag, self.run_dir(name), job)
-            trials = iter(())
-        exhausted = False
-        while True:
-            while not exhausted and len(running) < self.parallel:
-                item = next(trials, None)
-                if item is None:
-                    exhausted = True
-                    break
-                tag, name, trial_overrides = item
-                if not measured_before(tag, name):
-                    job = self.submit_trial(name, trial_overrides)
-                    running[job.job_id] = (tag, self.run_dir(name), job)
-            if not running:
-                return
-            if not any(job.done() for *_, job in running.values()):
-                time.sleep(self.poll_seconds)
-            for job_id, (tag, run_dir, job) in list(running.items()):
-                if job.done():
-                    del running[job_id]
-                    value = self.objective.read(run_dir) if job.exception() is None else None
-                    print(f"{self.kind} {run_dir.name} failed: see {job.paths.stderr}" if value is None else
-                          f"{self.kind} {run_dir.name}: {self.objective.protocol} {self.objective.field} = "
-                          f"{value:.4f}", flush=True)
-                    done(tag, run_dir, value)
-
-
-# ============ python -m launch grid ============
-
-def grid_axis(text: str, factor: float) -> tuple[str, list[float]]:
-    """`KEY=V1,V2,...`, or `KEY=LOW:HIGH`: LOW, LOW x factor, ... up to HIGH (the paper: steps of 2; `factor` > 1,
-    checked by --factor's type). The values are finite, positive and increasing: a grid is searched in log space."""
-    key, _, values = text.partition("=")
-    parts = values.split(":") if ":" in values else [v for v in values.split(",") if v.strip()]
-    if not key or not parts or (":" in values and len(parts) != 2):
-        raise LaunchError(f"--axis {text!r} is not KEY=LOW:HIGH or KEY=V1,V2,... (e.g. --axis method.lambda_p=0.0625:4 "
-                          "or --axis optim.lr=0.1,0.2,0.4)")
-    try:
-        points = [parse_number(part.strip(), float, above=0) for part in parts]
-    except ValueError as error:
-        raise LaunchError(f"--axis {text!r}: {error}") from None
-    if ":" in values:
-        low, high = points
-        count = int(math.floor(math.log(high / low) / math.log(factor) + 1e-9)) + 1 if low <= high else 0
-        points = [low * factor ** i for i in range(count)]
-    if not points or sorted(set(points)) != points:
-        raise LaunchError(f"--axis {text!r}: a grid's values must be positive, increasing (V1 < V2 < ..., or LOW "
-                          "below HIGH)")
-    return key, points
-
-
-def run_grid(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) -> int:
-    from launch.cluster import cluster_options
-    from launch.hpo_replay import Grid, format_table
-
-    options = cluster_options(args)
-    objective = Objective.parse(args.objective)
-    objective.check_arguments(args.eval_args)
-    axes = dict(grid_axis(text, args.factor) for text in args.axis)
-    if len(axes) != len(args.axis):
-        raise LaunchError(f"--axis names a key twice: {args.axis}")
-    integer_keys = {key for key in axes if isinstance(config_value(args.config, args.overrides, key, "--axis"), int)}
-    search_dir = Path(args.out_dir).resolve()
-    jobs = trial_jobs(options, search_dir, args.config, args.overrides, objective, args.eval_args, args.parallel,
-                      args.keep_checkpoints)
-    points = list(itertools.product(*(range(len(values)) for values in axes.values())))
-    values = np.full([len(v) for v in axes.values()], np.nan)
-
-    def trials():
-        for index in points:
-            point = {key: axis[i] for (key, axis), i in zip(axes.items(), index)}
-            overrides = assignments(point, integer_keys)
-            yield index, run_name("point", overrides), overrides
-
-    for _, name, overrides in trials():             # every point's config, before any job is submitted
-        jobs.check_trial(name, overrides, "--axis")
-
-    def finished(index, value):
-        values[index] = np.nan if value is None else value
-        print(f"grid: {int(np.sum(~np.isnan(values)))}/{values.size} points measured", flush=True)
-
-    jobs.run(trials(), finished, as_array=True)
-    metric = f"{objective.protocol} {objective.field}"
-    print(f"\n{metric} over {' x '.join(axes)}")
-    rows = [{**{key: f"{axis[i]:.6g}" for (key, axis), i in zip(axes.items(), index)},
-             "value": None if np.isnan(values[index]) else float(values[index])} for index in points]
-    print(format_table(rows, [*axes, "value"]))
-    missing = int(np.isnan(values).sum())
-    if missing:
-        print(f"{missing} of {values.size} points failed (their logs are named above); run the same command again "
-              f"to retry them: the finished points are kept")
-        return 1
-    Grid(list(axes), list(axes.values()), values, metric).save(search_dir / "grid.json")
-    print(f"grid: {search_dir / 'grid.json'}; replay searches on it: python -m launch hpo-replay --grid "
-          f"{search_dir / 'grid.json'} --out-dir DIR")
-    return 0
-
-
-# ============ python -m launch hpo ============
 
 def sampler(method: str, seed: int):
     """Optuna's sampler, with its defaults (optuna 5.0.0: TPE multivariate with 10 random start-up trials and the
     constant liar for parallel trials; CMA-ES from the box's centre with sigma0 = a sixth of its smallest side)."""
-    import optuna
+    import optuna  # as in `run`
 
     return {"random": optuna.samplers.RandomSampler, "tpe": optuna.samplers.TPESampler,
             "cmaes": optuna.samplers.CmaEsSampler}[method](seed=seed)
@@ -410,10 +60,8 @@ def check_same_search(search_dir: Path, settings: dict) -> None:
     saved_path.write_text(json.dumps(settings, indent=1) + "\n")
 
 
-def run_search(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) -> int:
-    import optuna
-
-    from launch.cluster import cluster_options
+def run(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) -> int:
+    import optuna  # seconds to import: only the search pays for it, not every launch command
 
     options = cluster_options(args)
     objective = Objective.parse(args.objective)
@@ -503,7 +151,7 @@ def run_coordinate_descent(args, space, descent, study, distributions, jobs, ove
     """Algorithm 1 with each evaluation a trial of the study, in order: a resumed search walks the same path, its
     finished trials read back from the study (the path is deterministic given the values). `descent`: the
     directions, budgets and start of coordinate_descent_setup."""
-    import optuna
+    import optuna  # as in `run`
 
     directions, budgets, start = descent
     evaluations = itertools.count()
@@ -534,7 +182,7 @@ def run_coordinate_descent(args, space, descent, study, distributions, jobs, ove
 
 
 def report_progress(study, budget: int) -> None:
-    import optuna
+    import optuna  # as in `run`
 
     done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)]
     complete = [t for t in done if t.state == optuna.trial.TrialState.COMPLETE]
@@ -550,9 +198,8 @@ def format_params(params: dict) -> str:
 def write_search_results(study, space: list[SearchKey], objective: Objective, search_dir: Path, method: str) -> None:
     """The table of trials (printed and SEARCH_DIR/trials.json) and the plot of the best value against the number
     of trials (SEARCH_DIR/best_so_far.png)."""
+    import matplotlib  # as optuna in `run`: only the search pays for it
     import optuna
-
-    from launch.hpo_replay import format_table
 
     rows, best = [], -math.inf
     for trial in sorted(study.trials, key=lambda t: t.number):
@@ -565,7 +212,6 @@ def write_search_results(study, space: list[SearchKey], objective: Objective, se
     print(f"\n{method}: {objective.protocol} {objective.field}")
     print(format_table(rows, ["trial", *(key.key for key in space), "value", "best so far"]))
     (search_dir / "trials.json").write_text(json.dumps(rows, indent=1) + "\n")
-    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -585,35 +231,7 @@ def write_search_results(study, space: list[SearchKey], objective: Objective, se
 
 # ============ arguments ============
 
-def add_trial_arguments(parser: argparse.ArgumentParser) -> None:
-    """What every trial runs: the config, its overrides, the objective, the evaluation's extra arguments."""
-    parser.add_argument("--config", help="pretraining config (configs/pretrain/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides of every trial")
-    parser.add_argument("--objective", default="knn:top1.20",
-                        help="PROTOCOL:FIELD of the evaluation JSON to maximise (default: %(default)s; e.g. "
-                             "retrieval:r_map)")
-    parser.add_argument("--eval-args", default="", type=lambda text: text.split(),
-                        help="extra arguments of `python -m eval PROTOCOL`, as one string (e.g. "
-                             "--eval-args=--split-classes)")
-    parser.add_argument("--parallel", type=positive_int, default=1,
-                        help="trials running at once (default: %(default)s)")
-    parser.add_argument("--out-dir", required=True, type=output_folder,
-                        help="the search's directory: trials/, results, and the study")
-    parser.add_argument("--keep-checkpoints", action="store_true",
-                        help="keep each measured trial's checkpoints and exports (default: removed once its result "
-                             "exists; its final backbone.pth, config, metrics and logs stay)")
-
-
-def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
-    add_trial_arguments(parser)
-    parser.add_argument("--axis", action="append", required=True, metavar="KEY=LOW:HIGH",
-                        help="a grid axis: KEY=LOW:HIGH in multiplicative steps of --factor, or KEY=V1,V2,...; "
-                             "once per key")
-    parser.add_argument("--factor", type=number(float, above=1), default=2.0,
-                        help="the multiplicative step of KEY=LOW:HIGH axes (default: %(default)s, the paper's)")
-
-
-def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trial_arguments(parser)
     parser.add_argument("--space", action="append", required=True, metavar="KEY=LOW:HIGH[:log]",
                         help="a searched key and its range, on a log scale with :log; once per key (for cd with the "
@@ -632,3 +250,4 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cd's trials per line search along each direction, e.g. 3,3 (default: 3 each)")
     parser.add_argument("--start", type=number_list(float),
                         help="cd's starting point, one value per --space key (default: the config's values)")
+    add_cluster_arguments(parser)

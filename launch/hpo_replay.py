@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from launch.cluster import LaunchError
 from launch.coordinate_descent import (PAPER_DIRECTIONS, area_under_curve, best_so_far, coordinate_descent,
                                        trials_to_reach)
 from pretrain.runtime.argument_types import non_negative_int, number, positive_int
 
+HELP = "searches replayed on a measured grid (the paper's Table 1-2)"
 OPTUNA_SAMPLERS = ("random", "tpe", "cmaes")
 METHODS = ("cd", *OPTUNA_SAMPLERS)
 
@@ -62,7 +64,7 @@ class Grid:
 
     def objective(self, log_point) -> float:
         """The objective at a log-space point of the box, linear between the grid points in log space."""
-        from scipy.interpolate import RegularGridInterpolator
+        from scipy.interpolate import RegularGridInterpolator  # scipy: for a replay only, not every launch command
 
         if not hasattr(self, "_interpolator"):
             self._interpolator = RegularGridInterpolator([np.log(axis) for axis in self.axes], self.values)
@@ -121,7 +123,7 @@ def replay_coordinate_descent(grid: Grid, budget: int, rng: np.random.Generator,
 
 
 def replay_optuna(grid: Grid, sampler: str, budget: int, seed: int) -> list[float]:
-    import optuna
+    import optuna  # seconds to import: only a replay of its samplers pays for it
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     samplers = {"random": optuna.samplers.RandomSampler, "tpe": optuna.samplers.TPESampler,
@@ -194,7 +196,7 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 
 def plot_curves(curves: dict[str, np.ndarray], grid: Grid, out: Path) -> None:
     """Figure 6's form: each method's mean best-so-far curve against the number of trials."""
-    import matplotlib
+    import matplotlib  # only the command that draws pays for its import
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -225,9 +227,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out-dir", type=Path, required=True, help="where replay.json and replay.png go")
 
 
-def run_replay(args) -> int:
-    from launch.cluster import LaunchError
-
+def run(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:

@@ -8,12 +8,19 @@ else from what submitit wrote (its result file: success or error), else from the
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pickle
 import subprocess
 import sys
 from pathlib import Path
+
+from launch.cluster import LaunchError
+
+HELP = "jobs, steps and latest evaluations of a run or a sweep"
+DESCRIPTION = ("A table of every run under DIR (a run directory, a sweep directory, or a folder of runs): job, state, "
+               "step, latest evaluation.")
 
 
 def run_directories(root: Path) -> list[Path]:
@@ -131,3 +138,14 @@ def status_table(root: Path) -> str:
         return f"no runs under {root} (a run directory holds jobs.jsonl or config.yaml)"
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not Path(args.dir).is_dir():
+        raise LaunchError(f"{args.dir}: no such directory; pass a run directory, a sweep directory or a folder of runs")
+    print(status_table(Path(args.dir)))
+    return 0

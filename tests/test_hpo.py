@@ -17,7 +17,9 @@ import pytest
 
 from launch.__main__ import build_parser, main
 from launch.cluster import LaunchError
-from launch.hpo import Objective, SearchKey, TrialJobs, grid_axis, run_grid, run_search
+from launch.grid import grid_axis, run as run_grid
+from launch.hpo import run as run_search
+from launch.trials import Objective, SearchKey, TrialJobs
 
 CONFIG = str(Path(__file__).parents[1] / "configs" / "pretrain" / "contrastive_balance_digits.yaml")
 

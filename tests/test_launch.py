@@ -301,7 +301,8 @@ def test_pipeline_evaluation_jobs_have_their_own_resources_and_bare_sbatch_flags
     and constraint, never --exclusive (they inherited the training preset's). `--sbatch exclusive=` is written
     `#SBATCH --exclusive` (it was `--exclusive=''`). The script used to come from a SlurmExecutor, which cannot be
     made where Slurm is not installed (`Could not detect "srun"`): CI's machines."""
-    from launch.__main__ import build_parser, evaluation_options
+    from launch.__main__ import build_parser
+    from launch.pipeline import evaluation_options
     from launch.cluster import build_executor
 
     training = cluster_options(options(cluster="slurm", nodes=2, gpus_per_node=8, cpus_per_task=10, mem_gb=500,
@@ -372,7 +373,7 @@ def test_a_two_task_job_fine_tunes_on_both_tasks_after_rank_0_evaluated_alone(di
     Rank 0 used to keep the single-process step's environment (WORLD_SIZE=1, its port) and fine-tune as a world of
     one while rank 1 waited at the job's rendezvous; the other task now waits for rank 0's step, and the job's
     environment is put back."""
-    from launch.__main__ import submit
+    from launch.cluster import submit
     from launch.jobs import Step
     from tests.test_finetune import write_export
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.benchmark import FINAL, Row, Run, check_same_benchmark, load_benchmark, mark_keys, row_curve
+from launch.benchmark_file import Row, check_same_benchmark, load_benchmark
+from launch.benchmark_results import FINAL, Run, mark_keys, row_curve
 from launch.cluster import LaunchError
 from tests import forked_runs
 from tests.conftest import wait_for

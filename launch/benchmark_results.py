@@ -1,0 +1,237 @@
+"""What a benchmark measured: each (row, seed) read back from its run directory once complete (`read_run`: a
+pretraining run's k-NN and linear probe at every mark, a supervised run's classifier top-1 after every epoch, a
+reference's raw-pixel and random-init rows), the machine's state while it trained, and the rows summarised into
+the table (Markdown and JSON) and the plot of accuracy against minutes of training."""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from eval.results import result_path
+from launch.benchmark_file import Row
+
+FINAL = 1 << 30                 # the key of a run's last point, whatever mark, step or epoch it fell on
+
+
+@dataclass
+class Run:
+    """What one (row, seed) measured: its points (minutes of training, accuracy), its last one and its machine."""
+
+    seed: int
+    run_dir: str
+    points: list[dict]                   # {key, step, minutes, knn, linear}, by minutes
+    machine: dict = field(default_factory=dict)
+
+    @property
+    def final(self) -> dict:
+        return self.points[-1]
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def machine_state(lines: list[dict]) -> dict:
+    """Cores, torch threads and the 1-minute load average while the run trained (every logged step's)."""
+    def values(key):
+        return [line[key] for line in lines if key in line]
+
+    loads = values("perf/load_average_1min")
+    return {"cores": max(values("perf/cpu_cores"), default=None), "threads": max(values("perf/cpu_threads"), default=None),
+            "load_median": round(float(np.median(loads)), 2) if loads else None,
+            "load_max": round(float(max(loads)), 2) if loads else None}
+
+
+def mark_keys(row: Row, points: list[dict]) -> None:
+    """Key every point but the last by the mark it stands for, so that the seeds' curves are averaged mark by mark:
+    a minutes budget's mark i is the first point at or past i x minutes / marks (the loop checkpoints there), a
+    steps budget's its step, a supervised run's its epoch; the last point is FINAL. Others (a checkpoint a signal
+    added) keep no key: they are in the run's points, not in the row's curve."""
+    for point in points[:-1]:
+        point["key"] = point.get("epoch") if row.kind == "supervised" else point["step"] if row.steps else None
+    if row.kind == "pretrain" and row.minutes is not None:
+        for mark in range(1, row.marks):
+            first = next((p for p in points[:-1] if p["minutes"] >= mark * row.minutes / row.marks - 1e-9), None)
+            if first is not None and first["key"] is None:
+                first["key"] = mark
+    points[-1]["key"] = FINAL
+    for point in points:
+        point.pop("epoch", None)
+
+
+def read_pretraining(row: Row, seed: int, run_dir: Path) -> Run | None:
+    """A finished pretraining run whose every export is scored by k-NN and the linear probe, else None."""
+    from eval.watch import pending    # eval brings timm and deepspeed: imported when a run is read back
+
+    finished = run_dir / "finished.json"
+    if not finished.is_file() or pending(run_dir, ["knn", "linear"]) != ([], []):
+        return None
+    lines = [line for line in read_lines(run_dir / "metrics.jsonl") if "perf/training_seconds" in line]
+    steps = sorted(int(path.stem.rsplit("_step", 1)[1]) for path in (run_dir / "eval").glob("knn_step*.json"))
+    steps = [step for step in steps if result_path(run_dir, "linear", step).is_file()]
+    if not lines or not steps or steps[-1] != json.loads(finished.read_text())["step"]:
+        return None
+    logged = [line["step"] for line in lines]
+    seconds = [line["perf/training_seconds"] for line in lines]
+    points = []
+    for step in steps:
+        knn = json.loads(result_path(run_dir, "knn", step).read_text())["top1"]["20"]
+        linear = json.loads(result_path(run_dir, "linear", step).read_text())["top1"]
+        points.append({"step": step, "minutes": float(np.interp(step, logged, seconds)) / 60, "knn": knn,
+                       "linear": linear})
+    mark_keys(row, points)
+    return Run(seed, str(run_dir), points, machine_state(lines))
+
+
+def read_supervised(row: Row, seed: int, run_dir: Path) -> Run | None:
+    """A finished cross-entropy run: its classifier's validation top-1 after every epoch and at the budget."""
+    if not list((run_dir / "eval").glob("finetune_*_random_step*.json")):
+        return None
+    runs = [path.parent for path in (run_dir / "finetune").glob("*/metrics.jsonl")]
+    if len(runs) != 1:
+        return None
+    lines = read_lines(runs[0] / "metrics.jsonl")
+    points = [{"step": line["step"], "epoch": line["epoch"], "minutes": line["perf/training_seconds"] / 60,
+               "knn": None, "linear": line["val/top1"]} for line in lines if "val/top1" in line]
+    if not points:
+        return None
+    mark_keys(row, points)
+    return Run(seed, str(run_dir), points, machine_state(lines))
+
+
+def read_reference(row: Row, seed: int, run_dir: Path) -> dict | None:
+    path = result_path(run_dir, "baselines", 0)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_run(row: Row, seed: int, run_dir: Path):
+    reader = {"pretrain": read_pretraining, "supervised": read_supervised, "reference": read_reference}[row.kind]
+    return reader(row, seed, run_dir)
+
+
+# ============ the table, its JSON and the plot ============
+
+def spread(values: list[float]) -> dict:
+    """Mean and standard deviation (n - 1; 0 for one value) of accuracies, in percent."""
+    percent = [100 * value for value in values]
+    return {"mean": round(float(np.mean(percent)), 2),
+            "std": round(float(np.std(percent, ddof=1)), 2) if len(percent) > 1 else 0.0,
+            "values": [round(value, 2) for value in percent]}
+
+
+def row_curve(runs: list[Run], measure: str) -> list[dict]:
+    """The row's curve: at every key all its seeds have, the mean minutes and the mean and std of `measure`."""
+    keys = set.intersection(*({p["key"] for p in run.points if p["key"] is not None} for run in runs))
+    curve = []
+    for key in sorted(keys):
+        points = [next(p for p in run.points if p["key"] == key) for run in runs]
+        if points[0][measure] is None:
+            continue
+        curve.append({"minutes": round(float(np.mean([p["minutes"] for p in points])), 3),
+                      **spread([p[measure] for p in points])})
+    return curve
+
+
+def summarise(row: Row, results: list) -> list[dict]:
+    """The table's rows of one benchmark row (a reference gives two: raw pixels and random init)."""
+    if row.kind == "reference":
+        return [{"row": row.name, "label": f"{title}, {row.label}", "kind": encoder, "budget": "-",
+                 "seeds": list(row.seeds), "knn": spread([r[encoder]["knn"] for r in results]),
+                 "linear": spread([r[encoder]["linear"] for r in results])}
+                for encoder, title in (("raw_pixels", "raw pixels"), ("random_init", "random init"))]
+    finals = [run.final for run in results]
+    machines = [run.machine for run in results]
+    summary = {"row": row.name, "label": row.label + (" (classifier top-1)" if row.kind == "supervised" else ""),
+               "kind": row.kind, "budget": row.budget(), "seeds": list(row.seeds),
+               "knn": spread([p["knn"] for p in finals]) if row.kind == "pretrain" else None,
+               "linear": spread([p["linear"] for p in finals]),
+               "minutes": round(float(np.mean([p["minutes"] for p in finals])), 2),
+               "steps": [p["step"] for p in finals],
+               "cores": max((m["cores"] for m in machines if m["cores"]), default=None),
+               "threads": max((m["threads"] for m in machines if m["threads"]), default=None),
+               "load_median": max((m["load_median"] for m in machines if m["load_median"] is not None), default=None),
+               "load_max": max((m["load_max"] for m in machines if m["load_max"] is not None), default=None),
+               "curve": {measure: row_curve(results, measure) for measure in ("knn", "linear")},
+               "runs": [asdict(run) for run in results]}
+    return [summary]
+
+
+def cell(value: dict | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value['mean']:.2f}%" + (f" ± {value['std']:.2f}" if len(value["values"]) > 1 else "")
+
+
+def markdown(entries: list[dict], made_by: str) -> str:
+    lines = [made_by, "", "k-NN: top-1 at k = 20; linear: the linear probe's top-1 (a supervised row: its classifier's); "
+             "mean ± std over the seeds, at the end of the budget. Load: the 1-minute load average while the row "
+             "trained; a run alone shows about its own threads and loader workers, more says another process shared "
+             "the cores.", "",
+             "| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes trained | steps | cores | "
+             "threads | load (1 min), median / max |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for entry in entries:
+        by_seed = [", ".join(f"{v:.2f}" for v in entry[m]["values"]) if entry[m] else "-" for m in ("knn", "linear")]
+        load = "" if entry.get("load_median") is None else f"{entry['load_median']:.2f} / {entry['load_max']:.2f}"
+        minutes = "" if entry.get("minutes") is None else f"{entry['minutes']:.2f}"
+        steps = ", ".join(str(s) for s in entry.get("steps", []))
+        lines.append(f"| {entry['label']} | {entry['budget']} | {', '.join(map(str, entry['seeds']))} | "
+                     f"{cell(entry['knn'])} | {cell(entry['linear'])} | {by_seed[0]} | {by_seed[1]} | {minutes} | "
+                     f"{steps} | {entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} |")
+    return "\n".join(lines)
+
+
+def plot(entries: list[dict], path: Path, title: str) -> None:
+    """k-NN and linear against minutes of training: a line per row (mean over seeds, band: +- one std), the
+    references as horizontal lines, a supervised row's classifier top-1 beside the linear probes."""
+    import matplotlib  # only the command that draws pays for its import
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, panels = plt.subplots(1, 2, figsize=(14, 5), layout="constrained")
+    sizes = sorted({entry["row"] for entry in entries if entry["kind"] in ("raw_pixels", "random_init")})
+    for axes, measure, name in zip(panels, ("knn", "linear"), ("k-NN top-1 (k = 20)", "linear probe top-1")):
+        for entry in entries:
+            if entry["kind"] in ("raw_pixels", "random_init"):
+                axes.axhline(entry[measure]["mean"], linestyle="--" if entry["kind"] == "raw_pixels" else ":",
+                             color=("black", "gray", "silver")[sizes.index(entry["row"]) % 3], linewidth=1,
+                             label=entry["label"])
+                continue
+            curve = entry["curve"][measure]
+            if not curve:
+                continue
+            x = [p["minutes"] for p in curve]
+            mean, std = np.array([p["mean"] for p in curve]), np.array([p["std"] for p in curve])
+            line, = axes.plot(x, mean, marker="o", markersize=3, label=entry["label"])
+            if len(entry["seeds"]) > 1:
+                axes.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        axes.set_xlim(left=0)
+        axes.set_xlabel("minutes of training")
+        axes.set_ylabel(f"{name}, %")
+        axes.grid(alpha=0.3)
+    handles, labels = panels[1].get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=8, loc="outside right upper")
+    figure.suptitle(title, fontsize=9)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def provenance(argv: list[str]) -> tuple[str, str]:
+    """Which command and which commit made the table: (the sentence that says so, the commit)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = (git("rev-parse", "HEAD") or "unknown (not a git checkout)") + \
+        (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return f"Made by `python -m launch {shlex.join(argv)}` at commit {commit}.", commit
