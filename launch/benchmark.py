@@ -93,7 +93,7 @@ class RowResults:
 
 @dataclass
 class BenchmarkJobs(TrialJobs):
-    """The (row, seed) jobs, run as a search's trials are (launch/hpo.py: at most `parallel` at once, a finished
+    """The (row, seed) jobs, run as a search's trials are (launch/trials.py: at most `parallel` at once, a finished
     one read back, a running one waited for, a killed one submitted again), each in DIR/rows/NAME_seedS."""
 
     plans: dict[str, list[Step]] = field(default_factory=dict)

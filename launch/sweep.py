@@ -1,5 +1,5 @@
 """Hyper-parameter sweeps: `--sweep optim.lr=0.1,0.2,0.4 method.temperature=0.1,0.2` is the product of the
-values, one run each, submitted as one Slurm job array (launch/__main__.py).
+values, one run each, submitted as one Slurm job array (launch/pretrain.py).
 
     combinations = sweep_combinations(["optim.lr=0.1,0.2", "method.temperature=0.1,0.2"])
     # [["optim.lr=0.1", "method.temperature=0.1"], ["optim.lr=0.1", "method.temperature=0.2"], ...]
