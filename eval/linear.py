@@ -205,9 +205,9 @@ def train_linear_probe_on_views(backbone: nn.Module, view_batches_per_epoch: Vie
 # ============ python -m eval linear ============
 
 HELP = "linear probe on frozen features"
-DESCRIPTION = ("Linear probe (MAE head: BatchNorm without affine, then Linear) trained with SGD + momentum and a cosine "
-               "schedule on frozen features; reports validation top-1 after the last epoch (top1) and the best over "
-               "epochs (best_top1, as DINO's eval_linear.py; chosen on the validation set).")
+DESCRIPTION = ("Linear probe (MAE head: BatchNorm without affine, then Linear) trained with SGD + momentum and a "
+               "cosine schedule on frozen features; reports validation top-1 after the last epoch (top1) and the best "
+               "over epochs (best_top1, as DINO's eval_linear.py; chosen on the validation set).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

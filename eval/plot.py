@@ -91,7 +91,7 @@ def plot_runs(run_dirs: list[Path], out: Path, k: int = 20, online: bool = False
               title: str | None = None, baselines: Path | None = None) -> dict[str, list[tuple[int, float]]]:
     """Draw the curves to `out` (PNG); return {run name: k-NN points}. EvaluationInputError for a run without a
     k-NN result (and without online values when `online`), or missing baselines."""
-    import matplotlib
+    import matplotlib  # only the command that draws pays for its import
 
     matplotlib.use("Agg")                             # files only: no display on a cluster node
     import matplotlib.pyplot as plt
