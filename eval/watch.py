@@ -132,17 +132,21 @@ def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]],
     return todo, skipped
 
 
-def protocol_parser(protocol: str) -> argparse.ArgumentParser:
-    """The command line of `python -m eval PROTOCOL` (its options, its errors), without the other commands'."""
+def parse_protocol_arguments(protocol: str, argv: list[str]) -> argparse.Namespace:
+    """The arguments of `python -m eval PROTOCOL ARGV`, refused as that command line refuses them (SystemExit after
+    one line): by the protocol's parser, and an argument it does not know by `python -m eval`'s, as argparse does."""
     parser = CommandLineParser(prog=f"python -m eval {protocol}")
     PROTOCOL_COMMANDS[protocol].add_arguments(parser)
-    return parser
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        CommandLineParser(prog="python -m eval").error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def evaluate(argv: list[str]) -> None:
     """Run one protocol in this process as `python -m eval ARGV` would, its errors let through: how the watcher
     evaluates an export."""
-    PROTOCOL_COMMANDS[argv[0]].run(protocol_parser(argv[0]).parse_args(argv[1:]))
+    PROTOCOL_COMMANDS[argv[0]].run(parse_protocol_arguments(argv[0], argv[1:]))
 
 
 def run_protocol(args: argparse.Namespace, protocol: str, step: int,

@@ -92,10 +92,10 @@ class Objective:
 
     def check_arguments(self, eval_args: list[str]) -> None:
         """Refuse extra `python -m eval PROTOCOL` arguments that eval would refuse, before any trial runs."""
-        from eval.watch import protocol_parser     # as in `parse`
+        from eval.watch import parse_protocol_arguments     # as in `parse`
 
         try:
-            protocol_parser(self.protocol).parse_args(["--run", "RUN_DIR", *eval_args])
+            parse_protocol_arguments(self.protocol, ["--run", "RUN_DIR", *eval_args])
         except SystemExit:
             raise LaunchError(f"--eval-args {' '.join(eval_args)!r}: `python -m eval {self.protocol}` does not take "
                               f"them (see python -m eval {self.protocol} --help)") from None
