@@ -52,13 +52,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from eval.results import made_by
 from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark
-from launch.benchmark_results import markdown, plot, provenance, read_run, summarise
+from launch.benchmark_results import markdown, plot, read_run, summarise
 from launch.cluster import add_cluster_arguments, cluster_options
 from launch.jobs import Step
 from launch.trials import TrialJobs
@@ -136,11 +138,11 @@ def run(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs)
         return 1
     entries = [entry for row in rows
                for entry in summarise(row, [read_run(row, seed, runs[row.name, seed]) for seed in row.seeds])]
-    made_by, commit = provenance(args.argv)
-    table = markdown(entries, made_by)
+    stamp, commit = made_by(f"python -m launch {shlex.join(args.argv)}")     # the command and the commit
+    table = markdown(entries, stamp)
     print(table)
     write_text_atomically(out_dir / "table.md", table + "\n")
-    write_text_atomically(out_dir / "table.json", json.dumps({"made_by": made_by, "file": args.file,
+    write_text_atomically(out_dir / "table.json", json.dumps({"made_by": stamp, "file": args.file,
                                                               "rows": entries}, indent=1) + "\n")
     plot(entries, out_dir / "curves.png", f"{args.file}, commit {commit}")
     print(f"results: {out_dir / 'table.md'}, {out_dir / 'table.json'}, {out_dir / 'curves.png'}")

@@ -5,8 +5,6 @@ the table (Markdown and JSON) and the plot of accuracy against minutes of traini
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -219,19 +217,3 @@ def plot(entries: list[dict], path: Path, title: str) -> None:
     figure.suptitle(title, fontsize=9)
     figure.savefig(path, dpi=120)
     plt.close(figure)
-
-
-def provenance(argv: list[str]) -> tuple[str, str]:
-    """Which command and which commit made the table: (the sentence that says so, the commit)."""
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = (git("rev-parse", "HEAD") or "unknown (not a git checkout)") + \
-        (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-    return f"Made by `python -m launch {shlex.join(argv)}` at commit {commit}.", commit
