@@ -21,7 +21,7 @@ from pretrain.runtime.argument_types import CommandLineParser, add_command
 from pretrain.runtime.exit_status import UNWRITABLE, one_line
 
 # Each command is a module providing HELP, add_arguments(parser) and run(args) (pretrain/runtime/argument_types.py's
-# add_command); the protocols are the end of the module of their math.
+# add_command); a protocol's command ends the module of its math (eval/knn.py, eval/linear.py, eval/retrieval.py).
 COMMANDS: dict[str, str] = {
     "knn": "eval.knn",
     "linear": "eval.linear",
