@@ -19,7 +19,7 @@ from pretrain.runtime.argument_types import number, parse_number
 
 HELP = "the objective measured on a grid of config values, as a sweep of jobs"
 DESCRIPTION = launch.trials.__doc__ + ("\n`grid`: every point of the product of the --axis values is a trial; "
-                                           "SEARCH_DIR/grid.json is what `hpo-replay` reads.")
+                                       "SEARCH_DIR/grid.json is what `hpo-replay` reads.")
 EPILOG = ("example:\n  python -m launch grid --config configs/pretrain/simclr_digits.yaml --axis "
           "method.lambda_p=0.0625:4 --axis method.lambda_e=0.0625:4 --objective knn:top1.20 --cluster local "
           "--out-dir runs/grid_simclr")
