@@ -22,7 +22,7 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     """Join (or, for a plain `python -m pretrain`, create) the process group: NCCL on GPUs, gloo on CPUs.
     `device`: "auto" (the GPU of LOCAL_RANK when CUDA is available) or "cpu". Returns (rank, world size, this
     process's device)."""
-    import deepspeed
+    import deepspeed  # heavy: deepspeed (~0.4 s after torch), loaded only by a process that joins a group
 
     if "RANK" not in os.environ:  # no launcher: a group of one
         with socket.socket() as s:
@@ -38,7 +38,7 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
         # about 30 s under a lock in the torch extensions cache; a start killed in that window leaves the lock
         # and every later start waits on it forever. The op serves only inference_all_reduce, which training
         # never calls: mark it unavailable so that it is neither built nor loaded.
-        import deepspeed.ops
+        import deepspeed.ops  # heavy: deepspeed, as in init_distributed
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
@@ -54,7 +54,7 @@ def release_distributed() -> None:
     `init_distributed` set up for a group of one. DeepSpeed's own call also drops the groups DeepSpeed cached,
     which a later run in this process (a pipeline, a test) would otherwise use: "Group ... is not registered"."""
     if dist.is_initialized():
-        import deepspeed.comm
+        import deepspeed.comm  # heavy: deepspeed (~0.4 s after torch), needed only once a group is up
         if deepspeed.comm.is_initialized():
             deepspeed.comm.destroy_process_group()
         else:

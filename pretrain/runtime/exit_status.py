@@ -8,6 +8,10 @@ import os
 import sys
 from typing import Callable
 
+from pretrain.runtime.distributed import release_distributed
+from pretrain.runtime.divergence import TrainingDiverged
+from pretrain.runtime.graceful_stop import StopRequested
+
 # Why a file or folder cannot be written: the place, not the program, is at fault; said in one line, status 2.
 UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
 
@@ -31,10 +35,6 @@ def one_line(error: BaseException) -> str:
 def exit_status_of(train: Callable[[], object], input_errors: tuple[type[BaseException], ...], what: str) -> int:
     """Call `train()` and turn how it ended into the exit status; `input_errors` are the bad-input errors
     (status 2), `what` names the work in the start-up interruption message ("training", "fine-tuning")."""
-    from pretrain.runtime.distributed import release_distributed
-    from pretrain.runtime.divergence import TrainingDiverged
-    from pretrain.runtime.graceful_stop import StopRequested
-
     try:
         train()
     except input_errors as error:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
+from torchvision.utils import make_grid
 
 from pretrain.runtime.atomic_write import write_text_atomically
 
@@ -82,7 +83,6 @@ class TrainingMonitor:
         """images: (rows, cols, C, H, W) in [0, 1], shown as one grid (one row per sample)."""
         if not self.enabled:
             return
-        from torchvision.utils import make_grid
         rows, cols = images.shape[:2]
         self.tb.add_image(tag, make_grid(images.flatten(0, 1).float().cpu(), nrow=cols, padding=1), step)
 
