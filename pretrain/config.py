@@ -19,6 +19,7 @@ from pretrain.data.augment import check_view_group
 from pretrain.data.batch_designs import BatchDesign, check_batch_design
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
+from pretrain.methods import available_methods, method_module
 from pretrain.runtime.config import (RUNTIME_CHOICES, RUNTIME_RANGES, EngineConfig, OptimConfig,
                                      check_choices_and_ranges, check_optim_keys, check_run_name, merge_checked,
                                      parse_overrides, read_config_file, schema_keys)
@@ -121,7 +122,7 @@ NUMBER_RANGES = (
 
 def check_architecture(arch: str) -> None:
     """Refuse a model.arch that timm does not know, naming the closest names it does."""
-    import timm
+    import timm  # heavy: timm and torchvision (~1.8 s), which `python -m pretrain --help` does not need
 
     if timm.is_model(arch):
         return
@@ -139,8 +140,6 @@ DEFAULT_METHOD = "simclr"
 
 def method_options(name: str) -> type:
     """The `Options` dataclass (the `method.*` keys) of method `name`."""
-    from pretrain.methods import available_methods, method_module
-
     module = method_module(name)
     if module is None:
         raise ConfigError(f"method.name={name!r} is not one of {tuple(available_methods())} "
@@ -172,8 +171,6 @@ def fill_reference_values(cfg: DictConfig) -> None:
     """The `model.*` and `optim.*` keys left at None take the value of the method's reference
     (`Method.reference_model`, `Method.reference_optim`), so that RUN_DIR/config.yaml and the export record what was
     built."""
-    from pretrain.methods import method_module
-
     method = method_module(cfg.method.name).METHOD
     for section, values in (("model", method.reference_model), ("optim", method.reference_optim)):
         for key, value in values.items():
@@ -183,8 +180,6 @@ def fill_reference_values(cfg: DictConfig) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Checks that types alone cannot express (and the method's own, `METHOD.check_config`)."""
-    from pretrain.methods import method_module
-
     check_run_name(cfg)
     check_choices_and_ranges(cfg, CHOICES, NUMBER_RANGES)
     if not 0 < cfg.data.eval_crop_fraction <= 1:

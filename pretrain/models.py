@@ -4,6 +4,7 @@ from __future__ import annotations
 import timm
 import torch
 from omegaconf import DictConfig
+from timm.layers import DropPath
 from torch import nn
 
 STEMS = ("imagenet", "small", "small_stride2")
@@ -75,16 +76,15 @@ def is_vision_transformer(arch: str) -> bool:
 def backbone_from_config(cfg: DictConfig, drop_path_rate: float = 0.0) -> nn.Module:
     """The backbone the `model.*` keys describe; a ViT is sized for the first view group. `model.zero_init_residual`
     is a bool here: `load_config` fills a None with the method's reference value (`Method.reference_model`)."""
-    m = cfg.model
-    return create_backbone(m.arch, m.stem, cfg.data.views[0].size, bool(m.zero_init_residual), drop_path_rate)
+    model = cfg.model
+    return create_backbone(model.arch, model.stem, cfg.data.views[0].size, bool(model.zero_init_residual),
+                           drop_path_rate)
 
 
 def without_stochastic_depth(module: nn.Module) -> nn.Module:
     """`module` with every timm DropPath replaced by nn.Identity, what timm builds at drop_path_rate 0 (no
     parameters either way, so the state_dict is unchanged): a copy of a student that must not drop blocks, as DINO's
     teacher, built without the rate (main_dino.py:166). Returns `module`, changed in place."""
-    from timm.layers import DropPath
-
     for parent in list(module.modules()):
         for name, child in parent.named_children():
             if isinstance(child, DropPath):
@@ -104,9 +104,10 @@ def projector_from_config(cfg: DictConfig, in_dim: int, last_bn: str | None = No
 def projector_shape(cfg: DictConfig, in_dim: int) -> dict:
     """The `mlp` arguments (in_dim, hidden_dim, out_dim, num_layers, last_bn, hidden_bn) of `projector_from_config`:
     what an export records to rebuild the projector without the config's schema."""
-    m = cfg.model
-    return {"in_dim": int(in_dim), "hidden_dim": int(m.proj_hidden_dim), "out_dim": int(m.proj_out_dim),
-            "num_layers": int(m.proj_layers), "last_bn": str(m.proj_last_bn), "hidden_bn": bool(m.proj_hidden_bn)}
+    model = cfg.model
+    return {"in_dim": int(in_dim), "hidden_dim": int(model.proj_hidden_dim), "out_dim": int(model.proj_out_dim),
+            "num_layers": int(model.proj_layers), "last_bn": str(model.proj_last_bn),
+            "hidden_bn": bool(model.proj_hidden_bn)}
 
 
 class ScaleOnlyBatchNorm1d(nn.BatchNorm1d):

@@ -58,6 +58,7 @@ from pretrain.data.views import ViewBatch
 from pretrain.data.writer import classes_path
 from pretrain.hvs import select_hard_views
 from pretrain.online_monitors import OnlineLinearProbe, rankme
+from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 
 
@@ -187,6 +188,7 @@ class Method(TrainingTask):
         return None
 
     def write_export(self, run_dir: Path, epoch: int, step: int) -> None:
+        # heavy: pretrain.export loads deepspeed, which pretrain.config (reading a method's Options) does not need
         from pretrain.export import export_backbone
         export_backbone(self, run_dir, self.cfg, epoch, step)
 
@@ -229,8 +231,6 @@ def encode_view_groups(encoder: nn.Module, views: list[torch.Tensor], head: nn.M
 
 def require_one_view_group(cfg: DictConfig, min_count: int = 2, max_count: int | None = None) -> None:
     """For methods that train on views of one kind: one view group, with `min_count`..`max_count` views."""
-    from pretrain.runtime.config_error import ConfigError
-
     name, views = cfg.method.name, cfg.data.views
     if len(views) != 1:
         raise ConfigError(f"method.name={name} trains on one view group, but data.views has {len(views)}")

@@ -36,6 +36,7 @@ from pretrain.losses.contrastive_margin_balance import AVERAGING, margin_balance
 from pretrain.losses.infonce_balance import infonce_balance_per_sample
 from pretrain.methods.base import require_one_view_group
 from pretrain.methods.tcl import TCL
+from pretrain.runtime.config_error import ConfigError
 
 LOSSES = ("margin", "infonce")
 
@@ -62,20 +63,19 @@ class ContrastiveBalance(TCL):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.runtime.config_error import ConfigError
-
-        o = cfg.method
-        require_one_view_group(cfg, 1 if o.supervised else 2)
-        if o.loss not in LOSSES:
-            raise ConfigError(f"method.loss={o.loss!r} is not one of {LOSSES}")
-        if o.averaging not in AVERAGING:
-            raise ConfigError(f"method.averaging={o.averaging!r} is not one of {AVERAGING}")
-        if not 0 < o.margin <= 2:
-            raise ConfigError(f"method.margin={o.margin} must lie in (0, 2], distances of unit vectors (paper: 0.5)")
-        if o.temperature <= 0:
-            raise ConfigError(f"method.temperature={o.temperature} must be positive (the paper uses 0.1)")
-        if min(o.lambda_p, o.lambda_e) < 0:
-            raise ConfigError(f"method.lambda_p={o.lambda_p} and method.lambda_e={o.lambda_e} must be >= 0")
+        method = cfg.method
+        require_one_view_group(cfg, 1 if method.supervised else 2)
+        if method.loss not in LOSSES:
+            raise ConfigError(f"method.loss={method.loss!r} is not one of {LOSSES}")
+        if method.averaging not in AVERAGING:
+            raise ConfigError(f"method.averaging={method.averaging!r} is not one of {AVERAGING}")
+        if not 0 < method.margin <= 2:
+            raise ConfigError(f"method.margin={method.margin} must lie in (0, 2], distances of unit vectors "
+                              "(paper: 0.5)")
+        if method.temperature <= 0:
+            raise ConfigError(f"method.temperature={method.temperature} must be positive (the paper uses 0.1)")
+        if min(method.lambda_p, method.lambda_e) < 0:
+            raise ConfigError(f"method.lambda_p={method.lambda_p} and method.lambda_e={method.lambda_e} must be >= 0")
 
     def per_sample(self, z: torch.Tensor, labels: torch.Tensor | None, gather_negatives: bool) -> torch.Tensor:
         return self.loss_and_gradient_means(z, labels, gather_negatives)[0]

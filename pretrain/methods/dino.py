@@ -49,7 +49,8 @@ from torch import nn
 from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample, dino_teacher_entropy
 from pretrain.methods.base import Method, encode_view_groups, split_decay_groups
 from pretrain.models import backbone_from_config, is_vision_transformer, without_stochastic_depth
-from pretrain.runtime.distributed import with_sync_batchnorm
+from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.distributed import average_buffers, with_sync_batchnorm
 from pretrain.runtime.optim import cosine_schedule
 
 NUM_GLOBAL_GROUPS = 2   # data.views groups 0 and 1: the teacher's views
@@ -155,40 +156,39 @@ class DINO(Method):
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
-        m, o = cfg.model, cfg.method
-        self.backbone = backbone_from_config(cfg, o.drop_path_rate if is_vision_transformer(m.arch) else 0.0)
-        self.head = DINOHead(self.backbone.num_features, m.proj_hidden_dim, m.proj_out_dim, o.out_dim,
-                             m.proj_layers, o.use_bn_in_head, o.norm_last_layer)
-        self.student_temp = o.student_temp
-        self.center_momentum = o.center_momentum
-        self.export = o.export
-        self.hvs_score = o.hvs_score
+        model, method = cfg.model, cfg.method
+        self.backbone = backbone_from_config(cfg, method.drop_path_rate if is_vision_transformer(model.arch) else 0.0)
+        self.head = DINOHead(self.backbone.num_features, model.proj_hidden_dim, model.proj_out_dim, method.out_dim,
+                             model.proj_layers, method.use_bn_in_head, method.norm_last_layer)
+        self.student_temp = method.student_temp
+        self.center_momentum = method.center_momentum
+        self.export = method.export
+        self.hvs_score = method.hvs_score
         self.sync_batchnorm = cfg.engine.sync_batchnorm
 
         # Outside the module registry (see the module docstring): fp32, no gradients, no stochastic depth.
         teacher = copy.deepcopy(nn.ModuleDict({"backbone": self.backbone, "head": self.head})).float()
         without_stochastic_depth(teacher)
         self.__dict__["teacher"] = teacher.requires_grad_(False)
-        self.__dict__["center"] = torch.zeros(o.out_dim)
+        self.__dict__["center"] = torch.zeros(method.out_dim)
         self.__dict__["teacher_entropy"] = torch.tensor(float("nan"))
         # This optimizer step's teacher outputs, summed over its micro-batches: the centre moves once per step.
-        self.__dict__["step_teacher_sum"] = torch.zeros(o.out_dim)
+        self.__dict__["step_teacher_sum"] = torch.zeros(method.out_dim)
         self.__dict__["step_teacher_stats"] = torch.zeros(2)          # (rows summed, entropy summed over rows)
         self.steps_done = 0             # optimizer steps taken: indexes the schedules
         self.teacher_placed = False     # moved to the views' device and made equal on every rank
 
         # ==== schedules, indexed by optimizer step ====
         total_steps = max(1, cfg.optim.epochs * steps_per_epoch)
-        self.momentum_schedule = cosine_schedule(o.momentum_teacher, 1.0, total_steps)
+        self.momentum_schedule = cosine_schedule(method.momentum_teacher, 1.0, total_steps)
         self.teacher_temp_schedule = teacher_temp_schedule(
-            o.warmup_teacher_temp, o.teacher_temp, round(o.warmup_teacher_temp_epochs * steps_per_epoch), total_steps)
-        self.frozen_steps = round(o.freeze_last_layer_epochs * steps_per_epoch)
+            method.warmup_teacher_temp, method.teacher_temp, round(method.warmup_teacher_temp_epochs * steps_per_epoch),
+            total_steps)
+        self.frozen_steps = round(method.freeze_last_layer_epochs * steps_per_epoch)
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.runtime.config_error import ConfigError
-
-        o, views = cfg.method, cfg.data.views
+        method, views = cfg.method, cfg.data.views
         if len(views) < NUM_GLOBAL_GROUPS or views[0].count != 1 or views[1].count != 1:
             layout = [group.count for group in views]
             raise ConfigError(
@@ -197,25 +197,26 @@ class DINO(Method):
                 "blur_p: 1.0}, {count: 1, size: 224, scale: [0.4, 1.0], blur_p: 0.1, solarize_p: 0.2}, "
                 "{count: 8, size: 96, scale: [0.05, 0.4], blur_p: 0.5}] (with hard view selection, the pools "
                 "go in hvs.num_views, e.g. [2, 2, 16])")
-        if o.hvs_score not in ("cross_entropy", "kl"):
-            raise ConfigError(f"method.hvs_score={o.hvs_score!r} is not one of ('cross_entropy', 'kl'); the HVS paper "
-                              "scores by the cross-entropy")
-        if o.export not in ("teacher", "student"):
-            raise ConfigError(f"method.export={o.export!r} is not one of ('teacher', 'student'); DINO evaluates "
+        if method.hvs_score not in ("cross_entropy", "kl"):
+            raise ConfigError(f"method.hvs_score={method.hvs_score!r} is not one of ('cross_entropy', 'kl'); the HVS "
+                              "paper scores by the cross-entropy")
+        if method.export not in ("teacher", "student"):
+            raise ConfigError(f"method.export={method.export!r} is not one of ('teacher', 'student'); DINO evaluates "
                               "the teacher's backbone")
-        if min(o.student_temp, o.teacher_temp, o.warmup_teacher_temp) <= 0:
+        if min(method.student_temp, method.teacher_temp, method.warmup_teacher_temp) <= 0:
             raise ConfigError(f"method.student_temp, teacher_temp and warmup_teacher_temp must be positive "
-                              f"(got {o.student_temp}, {o.teacher_temp}, {o.warmup_teacher_temp}; DINO: 0.1, 0.04)")
+                              f"(got {method.student_temp}, {method.teacher_temp}, {method.warmup_teacher_temp}; "
+                              "DINO: 0.1, 0.04)")
         for key in ("momentum_teacher", "center_momentum"):
-            if not 0 <= o[key] <= 1:
-                raise ConfigError(f"method.{key}={o[key]} must lie in [0, 1] (DINO: 0.996 and 0.9)")
-        if o.out_dim < 1 or cfg.model.proj_layers < 1:
-            raise ConfigError(f"method.out_dim={o.out_dim} and model.proj_layers={cfg.model.proj_layers} "
+            if not 0 <= method[key] <= 1:
+                raise ConfigError(f"method.{key}={method[key]} must lie in [0, 1] (DINO: 0.996 and 0.9)")
+        if method.out_dim < 1 or cfg.model.proj_layers < 1:
+            raise ConfigError(f"method.out_dim={method.out_dim} and model.proj_layers={cfg.model.proj_layers} "
                               "must be at least 1 (DINO: 65536 and 3)")
-        if min(o.warmup_teacher_temp_epochs, o.freeze_last_layer_epochs) < 0:
+        if min(method.warmup_teacher_temp_epochs, method.freeze_last_layer_epochs) < 0:
             raise ConfigError("method.warmup_teacher_temp_epochs and method.freeze_last_layer_epochs must be >= 0")
-        if not 0 <= o.drop_path_rate < 1:
-            raise ConfigError(f"method.drop_path_rate={o.drop_path_rate} must lie in [0, 1): the largest share of "
+        if not 0 <= method.drop_path_rate < 1:
+            raise ConfigError(f"method.drop_path_rate={method.drop_path_rate} must lie in [0, 1): the largest share of "
                               "samples for which a ViT block is skipped (DINO: 0.1)")
 
     # ==== teacher ====
@@ -333,7 +334,7 @@ class DINO(Method):
     def after_step(self, step: int) -> None:
         """The centre from this step's teacher outputs, then the EMA teacher <- m teacher + (1 - m) student with
         m of the step just taken (step - 1)."""
-        import deepspeed
+        import deepspeed  # heavy: deepspeed (~0.4 s); load_config imports this module for its Options and needs none
 
         self.update_center()
         self.steps_done = step
@@ -367,8 +368,6 @@ class DINO(Method):
         """Teacher, centre and step counter for the checkpoint's client state. Called on every rank: the
         teacher's BatchNorm statistics (updated by its own forwards, per rank) are averaged first, as
         save_checkpoint does for the student, so that rank 0's export is the mean teacher."""
-        from pretrain.runtime.distributed import average_buffers
-
         average_buffers(self.teacher)
         return {**super().state_outside_engine(), "teacher": {name: t.detach().cpu().clone() for name, t in self.teacher.state_dict().items()},
                 "center": self.center.detach().cpu().clone(), "steps_done": self.steps_done}

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from pretrain.losses.ntxent import nt_xent_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import backbone_from_config, projector_from_config
+from pretrain.runtime.config_error import ConfigError
 
 
 @dataclass
@@ -48,8 +49,6 @@ class SimCLR(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.runtime.config_error import ConfigError
-
         require_one_view_group(cfg, 2, 2)
         if min(cfg.method.lambda_p, cfg.method.lambda_e) < 0:
             raise ConfigError(f"method.lambda_p={cfg.method.lambda_p} and method.lambda_e={cfg.method.lambda_e} "

@@ -46,10 +46,10 @@ class SimSiam(Method):
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
-        m = cfg.model
+        model = cfg.model
         self.backbone = backbone_from_config(cfg)
         self.projector = projector_from_config(cfg, self.backbone.num_features, last_bn="bn")
-        self.predictor = mlp(m.proj_out_dim, m.pred_hidden_dim, m.proj_out_dim, 2)
+        self.predictor = mlp(model.proj_out_dim, model.pred_hidden_dim, model.proj_out_dim, 2)
         self.fix_pred_lr = cfg.method.fix_pred_lr
         self.per_view_batchnorm = cfg.method.per_view_batchnorm
 

@@ -52,11 +52,13 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from pretrain.hvs import buffers_left_as_they_are
 from pretrain.losses.pair_weighting import PairWeighting, pair_weighting_per_anchor
 from pretrain.losses.supcon import contrast_set
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import backbone_from_config, projector_from_config
-from pretrain.runtime.distributed import with_sync_batchnorm
+from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.distributed import average_buffers, with_sync_batchnorm
 
 
 @dataclass
@@ -98,23 +100,23 @@ class SMoCo(Method):
 
     def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
         super().__init__(cfg, steps_per_epoch)
-        o = cfg.method
+        method = cfg.method
         self.backbone = backbone_from_config(cfg)
         self.projector = projector_from_config(cfg, self.backbone.num_features)
-        self.weighting = pair_weighting_of(o)
-        self.memory_size = o.memory_size
-        self.momentum = o.momentum if o.memory_size > 0 else 0.0   # mini-batch: the drift follows the student
-        self.hard_negative_similarity = o.hard_negative_similarity
-        self.drift_every_steps, self.drift_probe_size = o.drift_every_steps, o.drift_probe_size
-        self.gather_negatives = o.gather_negatives
+        self.weighting = pair_weighting_of(method)
+        self.memory_size = method.memory_size
+        self.momentum = method.momentum if method.memory_size > 0 else 0.0   # mini-batch: the drift follows the student
+        self.hard_negative_similarity = method.hard_negative_similarity
+        self.drift_every_steps, self.drift_probe_size = method.drift_every_steps, method.drift_probe_size
+        self.gather_negatives = method.gather_negatives
         self.sync_batchnorm = cfg.engine.sync_batchnorm
 
         # Outside the module registry (see the module docstring): fp32, no gradients.
         key_encoder = copy.deepcopy(nn.ModuleDict({"backbone": self.backbone, "projector": self.projector}))
         self.__dict__["key_encoder"] = key_encoder.float().requires_grad_(False)
         dim = cfg.model.proj_out_dim
-        self.__dict__["queue"] = torch.zeros(o.memory_size, dim)
-        self.__dict__["queue_labels"] = torch.full((o.memory_size,), -1, dtype=torch.long)
+        self.__dict__["queue"] = torch.zeros(method.memory_size, dim)
+        self.__dict__["queue_labels"] = torch.full((method.memory_size,), -1, dtype=torch.long)
         self.queue_next = 0             # the slot the next key goes to
         self.queue_filled = 0           # slots holding a key (the queue fills from slot 0 up, then wraps)
         self.__dict__["probe"] = None                   # (P, C, H, W) the drift probe's images
@@ -131,22 +133,20 @@ class SMoCo(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.runtime.config_error import ConfigError
-
-        o = cfg.method
+        method = cfg.method
         require_one_view_group(cfg, 2, 2)
         try:
-            pair_weighting_of(o).check()
+            pair_weighting_of(method).check()
         except ValueError as error:
             raise ConfigError(f"method.*: {error} (method.positive_weighting, negative_weighting, hll_a, hll_b, "
                               "alpha, beta, temperature)") from None
-        if o.memory_size < 0:
-            raise ConfigError(f"method.memory_size={o.memory_size} must be >= 0 (0: mini-batch training)")
-        if not 0 <= o.momentum <= 1:
-            raise ConfigError(f"method.momentum={o.momentum} must lie in [0, 1] (s-MoCo: 0.999; XBM: 0)")
-        if o.drift_every_steps < 0 or o.drift_probe_size < 1:
-            raise ConfigError(f"method.drift_every_steps={o.drift_every_steps} must be >= 0 (0: no drift) and "
-                              f"method.drift_probe_size={o.drift_probe_size} >= 1")
+        if method.memory_size < 0:
+            raise ConfigError(f"method.memory_size={method.memory_size} must be >= 0 (0: mini-batch training)")
+        if not 0 <= method.momentum <= 1:
+            raise ConfigError(f"method.momentum={method.momentum} must lie in [0, 1] (s-MoCo: 0.999; XBM: 0)")
+        if method.drift_every_steps < 0 or method.drift_probe_size < 1:
+            raise ConfigError(f"method.drift_every_steps={method.drift_every_steps} must be >= 0 (0: no drift) and "
+                              f"method.drift_probe_size={method.drift_probe_size} >= 1")
 
     # ==== key encoder, queue ====
     def place(self, device: torch.device) -> None:
@@ -246,8 +246,6 @@ class SMoCo(Method):
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
         if (labels < 0).any():
-            from pretrain.runtime.config_error import ConfigError
-
             raise ConfigError("method.name=smoco needs class labels, but this batch has label -1 (unknown): write "
                               "the .beton from an image folder with one sub-folder per class")
         return labels
@@ -260,8 +258,6 @@ class SMoCo(Method):
 
     @torch.no_grad()
     def embed_probe(self) -> torch.Tensor:
-        from pretrain.hvs import buffers_left_as_they_are
-
         # fp32 whatever the precision of the step: the probe is first embedded inside the (bf16) forward, then
         # after optimizer steps, and a change of precision must not count as drift.
         with buffers_left_as_they_are([self.key_encoder]), torch.autocast(self.probe.device.type, enabled=False):
@@ -272,7 +268,7 @@ class SMoCo(Method):
     def after_step(self, step: int) -> None:
         """key encoder <- m key + (1 - m) student (the student gathered under ZeRO-3); the step's hard-negative
         count; the feature drift at every drift_every_steps-th step."""
-        import deepspeed
+        import deepspeed  # heavy: deepspeed (~0.4 s); load_config imports this module for its Options and needs none
 
         self.steps_done = step
         student = [*self.backbone.parameters(), *self.projector.parameters()]
@@ -303,8 +299,6 @@ class SMoCo(Method):
     def state_outside_engine(self) -> dict:
         """Key encoder, queue (with labels and position), drift probe and step counter. The key encoder's
         BatchNorm statistics (its own forwards, per rank) are averaged first, as the student's are."""
-        from pretrain.runtime.distributed import average_buffers
-
         average_buffers(self.key_encoder)
 
         def cpu(tensor):

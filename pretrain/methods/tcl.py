@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretrain.losses.tcl import tcl_loss_and_gradient_means, tcl_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import backbone_from_config, projector_from_config
+from pretrain.runtime.config_error import ConfigError
 
 
 @dataclass
@@ -45,8 +46,6 @@ class Options:
 
 def check_views_and_temperature(cfg: DictConfig) -> None:
     """One view group of k >= 2 views and a positive temperature (TCL and SupCon)."""
-    from pretrain.runtime.config_error import ConfigError
-
     require_one_view_group(cfg, 2)
     if cfg.method.temperature <= 0:
         raise ConfigError(f"method.temperature={cfg.method.temperature} must be positive (the paper uses 0.1)")
@@ -73,8 +72,6 @@ class TCL(Method):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.runtime.config_error import ConfigError
-
         check_views_and_temperature(cfg)
         for key in ("k1", "k2"):
             value = cfg.method[key]
@@ -122,8 +119,6 @@ class TCL(Method):
         if not self.options.supervised:
             return None
         if (labels < 0).any():
-            from pretrain.runtime.config_error import ConfigError
-
             raise ConfigError(f"method.name={self.options.name} with method.supervised=true needs class labels, but "
                               "this batch has label -1 (unknown): write the .beton from an image folder with one "
                               "sub-folder per class (python -m pretrain.data write --image-folder DIR --out FILE), "

@@ -42,6 +42,7 @@ from pretrain.losses.weighted_contrastive import (ETAS, balanced_eta, contrastiv
                                                   minibatch_loss_per_anchor, p_random_importance_weights, pair_terms)
 from pretrain.methods.base import require_one_view_group
 from pretrain.methods.tcl import TCL
+from pretrain.runtime.config_error import ConfigError
 
 
 @dataclass
@@ -62,8 +63,6 @@ def check_group_design_sees_its_pairs(design_name: str, gather_negatives: bool, 
     """The group design's importance weights (eq. 25) count every pair of the *global* batch: on several processes
     without gathered candidates each process sees only its share of them, and the weights would be wrong."""
     if design_name == "group" and not gather_negatives and processes > 1:
-        from pretrain.runtime.config_error import ConfigError
-
         raise ConfigError(f"data.batch_design.name=group with method.gather_negatives=false on {processes} processes: "
                           "the importance weights (paper 001, eq. 25) assume every pair of the global batch; set "
                           "method.gather_negatives=true, or train on one process")
@@ -92,17 +91,15 @@ class WeightedContrastive(TCL):
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
-        from pretrain.runtime.config_error import ConfigError
-
-        o = cfg.method
+        method = cfg.method
         require_one_view_group(cfg, 1, 1)
-        if o.eta not in ETAS:
-            raise ConfigError(f"method.eta={o.eta!r} is not one of {ETAS}")
-        if o.balance_lambda <= 0:
-            raise ConfigError(f"method.balance_lambda={o.balance_lambda} must be positive (paper 001: 128-512 with "
-                              "about 100 training classes; about L - 1 reproduces the contrastive loss, eq. 17)")
-        if not 0 < o.margin <= 2:
-            raise ConfigError(f"method.margin={o.margin} must lie in (0, 2], distances of unit vectors")
+        if method.eta not in ETAS:
+            raise ConfigError(f"method.eta={method.eta!r} is not one of {ETAS}")
+        if method.balance_lambda <= 0:
+            raise ConfigError(f"method.balance_lambda={method.balance_lambda} must be positive (paper 001: 128-512 "
+                              "with about 100 training classes; about L - 1 reproduces the contrastive loss, eq. 17)")
+        if not 0 < method.margin <= 2:
+            raise ConfigError(f"method.margin={method.margin} must lie in (0, 2], distances of unit vectors")
 
     def counts(self, device: torch.device) -> torch.Tensor:
         if self.class_counts is None:
@@ -111,8 +108,6 @@ class WeightedContrastive(TCL):
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
         if (labels < 0).any():
-            from pretrain.runtime.config_error import ConfigError
-
             raise ConfigError("method.name=weighted_contrastive needs class labels, but this batch has label -1 "
                               "(unknown): write the .beton from an image folder with one sub-folder per class")
         return labels
