@@ -5,8 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from pretrain.data.fashion_mnist import FASHION_MNIST_DIR
-from pretrain.data.writer import DEFAULT_MAX_SIDE
+from pretrain.data import DatasetError
+from pretrain.data.fashion_mnist import FASHION_MNIST_DIR, write_fashion_mnist
+from pretrain.data.writer import DEFAULT_MAX_SIDE, write_image_folder
 from pretrain.runtime.argument_types import CommandLineParser, output_folder
 
 
@@ -81,8 +82,6 @@ def print_reports(reports) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "write":
-        from pretrain.data.writer import write_image_folder
-
         try:
             if args.max_side < 0:
                 raise ValueError(f"--max-side {args.max_side} must be a number of pixels, or 0 to keep every size")
@@ -96,14 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         print(report.summary())
         return 0
     if args.command == "write-digits":
-        from pretrain.data.digits import write_digits
+        from pretrain.data.digits import write_digits  # heavy: scikit-learn (~1.5 s), for write-digits only
 
         print_reports(write_digits(args.out_dir, force=args.force, write_mode=args.write_mode, workers=args.workers,
                                    split_classes=args.split_classes))
     else:
-        from pretrain.data import DatasetError
-        from pretrain.data.fashion_mnist import write_fashion_mnist
-
         try:
             if args.limit < 0:
                 raise ValueError(f"--limit {args.limit} must be a number of images, or 0 to write them all")

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.data.writer import FIELD_NAMES, list_image_folder
+
 DESIGNS = ("uniform", "p_random", "group")
 # Mixed into every batch's seed so that the design's draws are a stream of their own, apart from the
 # augmentation generators the loader seeds with (seed, rank, epoch, batch).
@@ -66,11 +68,8 @@ def dataset_labels(path: str | Path) -> np.ndarray:
     from its metadata, no image is decoded) or an image folder's sub-folder index."""
     path = Path(path)
     if path.is_dir():
-        from pretrain.data.writer import list_image_folder
-
         return np.asarray(list_image_folder(path)[1], dtype=np.int64)
-    from pretrain.data.ffcv_loader import check_beton_fields
-    from pretrain.data.writer import FIELD_NAMES
+    from pretrain.data.ffcv_loader import check_beton_fields  # heavy: ffcv; pretrain.config imports this module
 
     reader = check_beton_fields(path)
     return np.asarray(reader.metadata[f"f{FIELD_NAMES.index('label')}"], dtype=np.int64)

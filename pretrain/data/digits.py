@@ -26,6 +26,7 @@ DIGITS_VAL_FRACTION = 0.2
 
 def digits_images(side: int = DIGITS_SIDE) -> tuple[np.ndarray, np.ndarray]:
     """The 1797 UCI digits (scikit-learn) as (N, side, side, 3) uint8 RGB (bicubic upsampling) and (N,) labels."""
+    # heavy: scikit-learn (~1.5 s); `transfer digit-scenes --help` and `launch demo --help` import this module
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -37,7 +38,7 @@ def digits_images(side: int = DIGITS_SIDE) -> tuple[np.ndarray, np.ndarray]:
 
 def digits_split(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Stratified 80/20 train/val split of the digits, fixed seed: (train indices, val indices) into load_digits."""
-    from sklearn.model_selection import train_test_split
+    from sklearn.model_selection import train_test_split  # heavy: scikit-learn, as in digits_images
 
     all_indices = np.arange(len(labels))
     train, val = train_test_split(all_indices, test_size=DIGITS_VAL_FRACTION, random_state=DIGITS_SPLIT_SEED,

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numba
 import numpy as np
 import torch
 
@@ -23,12 +24,13 @@ cache_numba_typed_dict()    # before FFCV's import compiles its typed Dict (5 s 
 _torch_threads = torch.get_num_threads()     # FFCV's import sets them to 1 (Compiler.set_num_threads(1)): put back below
 
 from ffcv.fields.basics import IntDecoder  # noqa: E402
-from ffcv.fields.rgb_image import IMAGE_MODES, SimpleRGBImageDecoder  # noqa: E402
+from ffcv.fields.rgb_image import IMAGE_MODES, CenterCropRGBImageDecoder, SimpleRGBImageDecoder  # noqa: E402
 from ffcv.libffcv import imdecode, memcpy, resize_crop  # noqa: E402
 from ffcv.loader import Loader, OrderOption  # noqa: E402
 from ffcv.pipeline.allocation_query import AllocationQuery  # noqa: E402
 from ffcv.pipeline.compiler import Compiler  # noqa: E402
 from ffcv.pipeline.state import State  # noqa: E402
+from ffcv.reader import Reader  # noqa: E402
 from ffcv.transforms import ToTensor  # noqa: E402
 
 from pretrain.data import DatasetError
@@ -41,8 +43,6 @@ def _set_decode_threads(cls, n: int) -> None:
     computed with `data.num_workers` threads (1 in the fine-tuning recipes) whatever `engine.threads` said. The decode
     threads are numba's, set here as FFCV sets them; torch's stay the training loop's
     (pretrain/runtime/cpu_threads.py)."""
-    import numba
-
     cls.num_threads = n if n >= 1 else os.cpu_count()
     numba.set_num_threads(cls.num_threads)
 
@@ -138,8 +138,6 @@ def check_beton_fields(path: str | Path):
     """Raise DatasetError, one line naming `path` and what to do, unless it is a complete .beton written by
     `python -m pretrain.data`: missing, a folder, another file type, other fields, or a partial file (a
     killed copy or write: the file ends before the samples its header records). Returns FFCV's Reader."""
-    from ffcv.reader import Reader
-
     path = Path(path)
     write_it = "write one with `python -m pretrain.data write --image-folder DIR --out FILE.beton`"
     if not path.exists():
@@ -170,8 +168,6 @@ def check_beton_fields(path: str | Path):
 
 def stored_image_sizes(path: str | Path) -> np.ndarray:
     """The image field's metadata of a pretrain .beton: its "height" and "width" columns, one row per image."""
-    from ffcv.reader import Reader
-
     return Reader(str(path)).metadata[f"f{FIELD_NAMES.index('image')}"]    # FFCV names fields f0, f1, ...
 
 
@@ -228,8 +224,6 @@ def usable_workers(num_workers: int) -> int:
     """`num_workers` capped at the threads numba may start on this machine (its NUMBA_NUM_THREADS, the cores by
     default): FFCV asks numba for one thread per worker, and numba refuses more ("number of threads must be between
     1 and N"). The shipped ImageNet configs ask for 8; on a smaller machine they run with what there is."""
-    import numba
-
     limit = int(numba.config.NUMBA_NUM_THREADS)
     if num_workers > limit:
         print(f"data.num_workers={num_workers} is more than the {limit} threads this machine gives numba: using "
@@ -300,8 +294,6 @@ def stop_epoch_thread(epoch_iterator, poll_s: float = 1.0) -> None:
 
 def num_images_in(path: str | Path) -> int:
     """Number of samples in a .beton."""
-    from ffcv.reader import Reader
-
     return int(Reader(str(path)).num_samples)
 
 
@@ -309,8 +301,6 @@ def build_ffcv_centre_crop_loader(path: str | Path, image_size: int, crop_fracti
                                   num_workers: int) -> ReorderableLoader:
     """An FFCV loader of evaluation crops: uint8 (B, S, S, 3) centre crops (FFCV's CenterCropRGBImageDecoder:
     the centred square of side crop_fraction * shorter side, resized to S), labels and indices."""
-    from ffcv.fields.rgb_image import CenterCropRGBImageDecoder
-
     check_beton_fields(path)
     check_decode_memory(path, batch_size, image_size * image_size)
     pipelines = {"image": [CenterCropRGBImageDecoder((image_size, image_size), ratio=crop_fraction), ToTensor()],

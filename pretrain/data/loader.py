@@ -27,12 +27,18 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from pretrain.data import DatasetError
 from pretrain.data.augment import augment_views, canvas_to_device, normalise
 from pretrain.data.batch_designs import BatchDesign, ClassAwareBatches, dataset_labels
 from pretrain.data.seeding import seeded_generator
 from pretrain.data.views import ViewBatch, ViewGroup
+from pretrain.data.writer import list_image_folder
+
+# Each backend's module is imported where that backend is used ("heavy:" below): pretrain.data.ffcv_loader loads
+# FFCV and numba (seconds), pretrain.data.torchvision_loader torchvision, and pretrain.config imports this module
+# (IMAGENET_MEAN, IMAGENET_STD) for `python -m pretrain --help` and every config load, which need neither.
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -128,7 +134,7 @@ class FFCVViewLoader(ViewLoader):
 
     def __init__(self, path: str | Path, groups: list[ViewGroup], batch_size: int, *, canvas_size: int,
                  num_workers: int, **common):
-        from pretrain.data.ffcv_loader import build_ffcv_loader, num_images_in
+        from pretrain.data.ffcv_loader import build_ffcv_loader, num_images_in  # heavy: ffcv
 
         super().__init__(num_images_in(path), groups, batch_size, **common)
         self.path = Path(path)
@@ -136,7 +142,7 @@ class FFCVViewLoader(ViewLoader):
         self.ffcv_loader = build_ffcv_loader(path, canvas_size, batch_size, num_workers, self.drop_last)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[ViewBatch]:
-        from pretrain.data.ffcv_loader import ffcv_batches
+        from pretrain.data.ffcv_loader import ffcv_batches  # heavy: ffcv
 
         batches = ffcv_batches(self.ffcv_loader, self.epoch_indices(epoch, start_batch))
         for batch, (canvas, labels, indices, heights, widths) in enumerate(batches, start=start_batch):
@@ -153,15 +159,13 @@ class TorchvisionViewLoader(ViewLoader):
     """torchvision backend: PIL decode once per image, per-view transforms in DataLoader workers."""
 
     def __init__(self, path: str | Path, groups: list[ViewGroup], batch_size: int, *, num_workers: int, **common):
-        from pretrain.data.torchvision_loader import ImageFolderViews
+        from pretrain.data.torchvision_loader import ImageFolderViews  # heavy: torchvision
 
         self.dataset = ImageFolderViews(path, groups, common["mean"], common["std"])
         super().__init__(len(self.dataset), groups, batch_size, **common)
         self.num_workers = num_workers
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[ViewBatch]:
-        from torch.utils.data import DataLoader
-
         ordered = self.epoch_indices(epoch, start_batch).tolist()
         if not ordered:
             return
@@ -223,7 +227,7 @@ def check_view_memory(groups: list[ViewGroup], batch_size: int, budget_bytes: in
     """Raise DatasetError when one batch's views (float32, every group's count) alone would take more than
     `budget_bytes` (default: half of this machine's memory): `data.views.0.size=100000` would otherwise ask the
     allocator for terabytes at the first batch, in a traceback."""
-    from pretrain.data.ffcv_loader import half_of_machine_memory
+    from pretrain.data.ffcv_loader import half_of_machine_memory  # heavy: ffcv
 
     needed = sum(batch_size * group.count * 3 * group.size * group.size * 4 for group in groups)
     budget = half_of_machine_memory() if budget_bytes is None else budget_bytes
@@ -237,7 +241,7 @@ def check_view_memory(groups: list[ViewGroup], batch_size: int, budget_bytes: in
 def check_training_data(path: str | Path, backend: str) -> None:
     """Raise DatasetError, in one line that says what to do, for training data the backend cannot read: a
     missing path, a folder for FFCV, a file that is not a complete pretrain .beton, a file for torchvision."""
-    from pretrain.data.ffcv_loader import check_beton_fields
+    from pretrain.data.ffcv_loader import check_beton_fields  # heavy: ffcv
 
     path = Path(path)
     if backend not in BACKENDS:
@@ -256,8 +260,6 @@ def check_training_data(path: str | Path, backend: str) -> None:
         raise DatasetError(f"data.train={str(path)!r} is a file, but data.backend=torchvision reads an image folder "
                            "(one sub-folder per class); for a .beton set data.backend=ffcv")
     else:
-        from pretrain.data.writer import list_image_folder
-
         try:
             list_image_folder(path)                 # no class folders or no images: said now, not at a batch
         except ValueError as error:
@@ -268,7 +270,7 @@ def check_held_out_data(path: str | Path) -> None:
     """Raise DatasetError for a `data.val` that is missing or not a complete .beton. Pretraining does not read it,
     but every evaluation of the run does (`eval knn --run`, the watcher, fine-tuning): a typo is said at the start,
     not after the training it was meant to evaluate."""
-    from pretrain.data.ffcv_loader import check_beton_fields
+    from pretrain.data.ffcv_loader import check_beton_fields  # heavy: ffcv
 
     if not Path(path).exists():
         raise DatasetError(f"data.val={str(path)!r} does not exist: the run's evaluations read it; write it with "
@@ -289,7 +291,7 @@ class ImageLoader:
 
     def __init__(self, path: str | Path, image_size: int, batch_size: int, *, device: torch.device,
                  mean: Sequence[float], std: Sequence[float], num_workers: int, crop_fraction: float):
-        from pretrain.data.ffcv_loader import build_ffcv_centre_crop_loader, num_images_in
+        from pretrain.data.ffcv_loader import build_ffcv_centre_crop_loader, num_images_in  # heavy: ffcv
 
         self.num_images = num_images_in(path)
         self.batch_size, self.device = batch_size, device
@@ -300,7 +302,7 @@ class ImageLoader:
         return -(-self.num_images // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        from pretrain.data.ffcv_loader import ffcv_batches
+        from pretrain.data.ffcv_loader import ffcv_batches  # heavy: ffcv
 
         for crops, labels, indices in ffcv_batches(self.ffcv_loader, np.arange(self.num_images)):
             images = canvas_to_device(crops, self.device).permute(0, 3, 1, 2).float().div_(255)
@@ -312,7 +314,7 @@ class TorchvisionImageLoader:
 
     def __init__(self, path: str | Path, image_size: int, batch_size: int, *, device: torch.device,
                  mean: Sequence[float], std: Sequence[float], num_workers: int, crop_fraction: float):
-        from pretrain.data.torchvision_loader import ImageFolderImages
+        from pretrain.data.torchvision_loader import ImageFolderImages  # heavy: torchvision
 
         self.dataset = ImageFolderImages(path, image_size, mean, std, crop_fraction)
         self.num_images, self.batch_size, self.device = len(self.dataset), batch_size, device
@@ -322,8 +324,6 @@ class TorchvisionImageLoader:
         return -(-self.num_images // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        from torch.utils.data import DataLoader
-
         for images, labels, indices in DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False,
                                                   num_workers=self.num_workers):
             yield images.to(self.device), labels.to(self.device), indices.to(self.device)

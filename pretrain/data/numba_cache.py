@@ -9,13 +9,13 @@ or NUMBA_CACHE_DIR), which numba invalidates itself when numba changes.
 """
 from __future__ import annotations
 
+import numba.typed.typeddict as typeddict
+from numba.core.caching import NullCache
+
 
 def cache_numba_typed_dict() -> None:
     """Enable numba's on-disk cache for the jitted functions of `numba.typed.typeddict`. Call it before FFCV is
     imported; calling it again does nothing."""
-    import numba.typed.typeddict as typeddict
-    from numba.core.caching import NullCache
-
     for value in vars(typeddict).values():
         if isinstance(getattr(value, "_cache", None), NullCache) and hasattr(value, "enable_caching"):
             value.enable_caching()

@@ -20,17 +20,22 @@ for gigabytes.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import cv2
@@ -247,6 +252,8 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
     largest_pixels: height x width of the largest stored image, to size FFCV's pages (0: the default page,
     enough for any image up to DEFAULT_MAX_SIDE).
     """
+    # heavy: numba and FFCV (seconds), which the readers of this module's names (pretrain.config through
+    # methods/base.py, the loaders) do not need; and in this order: numba's cache first, then FFCV
     from pretrain.data.numba_cache import cache_numba_typed_dict
 
     cache_numba_typed_dict()                # before FFCV's import compiles its typed Dict
@@ -315,8 +322,6 @@ def locked_partial_file(out_path: Path) -> Iterator[tuple[Path, Path]]:
 
 def remove_shared_memory(record: Path) -> str | None:
     """Unlink the shared-memory segment named in `record` (if it is still there); return its name."""
-    from multiprocessing import shared_memory
-
     try:
         name = record.read_text().strip()
     except OSError:
@@ -337,9 +342,6 @@ _CHILDREN_DIE_WITH_THEIR_PARENT = False
 
 def _die_with_parent_after_fork() -> None:
     if _CHILDREN_DIE_WITH_THEIR_PARENT and sys.platform == "linux":
-        import ctypes
-        import signal
-
         parent = os.getppid()
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # 1: PR_SET_PDEATHSIG
         if os.getppid() != parent:                                     # the parent died before prctl took effect
@@ -367,9 +369,6 @@ def run_watching_the_disk(write, tmp: Path, page_size: int, stalled_s: float = 5
     grown for `stalled_s`, FFCV's worker processes have died on ENOSPC and its parent would wait for them forever.
     Then the workers are terminated and an OSError says "no space left on device" (the caller removes the
     partial file). FFCV's own errors are raised as they are."""
-    import multiprocessing
-    import threading
-
     outcome: list[BaseException | None] = []
 
     def target() -> None:
