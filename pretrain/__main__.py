@@ -15,9 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from omegaconf import OmegaConf
+
 from pretrain.config import ConfigError, load_config
+from pretrain.data import DatasetError
 from pretrain.runtime.argument_types import CommandLineParser
+from pretrain.runtime.checkpoint import CheckpointError
+from pretrain.runtime.exit_status import exit_status_of
 from pretrain.runtime.memory_reuse import reuse_freed_memory
+from pretrain.runtime.run_lock import RunDirectoryInUse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,15 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     if args.print_config:
-        from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(cfg))
         return 0
-    from pretrain.data import DatasetError
+    # heavy: the training (deepspeed, timm, torchvision, tensorboard: about 2 s), which --help and --print-config
+    # do not need
     from pretrain.pretraining import train
-    from pretrain.runtime.checkpoint import CheckpointError
-    from pretrain.runtime.exit_status import exit_status_of
     from pretrain.runtime.monitor import MetricsFileError
-    from pretrain.runtime.run_lock import RunDirectoryInUse
 
     return exit_status_of(lambda: train(cfg),
                         (ConfigError, DatasetError, CheckpointError, RunDirectoryInUse, MetricsFileError), "training")
