@@ -22,6 +22,9 @@ import argparse
 import json
 from pathlib import Path
 
+# Every benchmark module is imported here, for the parser: what they import at their top, every bench command
+# (and --help) pays. The project's training modules (pretrain.config, the loaders, methods, the loop: omegaconf,
+# cv2, FFCV, timm, deepspeed) are imported inside the function of the benchmark that uses them ("heavy:").
 from pretrain.bench.gpu import add_gpu_command
 from pretrain.bench.hvs import add_hvs_command
 from pretrain.bench.loader import add_loader_command

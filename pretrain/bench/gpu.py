@@ -33,6 +33,7 @@ def gpu_variants(batch_simclr: int, batch_dino: int) -> list[tuple[str, str, lis
 
 
 def run_gpu_benchmark(args: argparse.Namespace) -> dict:
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
     if not torch.cuda.is_available():
@@ -40,6 +41,7 @@ def run_gpu_benchmark(args: argparse.Namespace) -> dict:
               "measures training throughput per GPU; run it on a machine with one (`make gpu-check` runs it after "
               "the GPU tests)", file=sys.stderr)
         raise SystemExit(2)
+    # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.writer import write_image_folder
 
     work_dir = Path(args.data_dir)

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import argparse
 import time
+
 import numpy as np
 import torch
+
+from pretrain.data.views import ViewBatch
+from pretrain.runtime.distributed import init_distributed
+from pretrain.runtime.task import BatchPosition
+
 
 def time_train_steps(cfg, steps: int, warmup: int) -> float:
     """Median seconds of one training step (selection pass included when cfg.hvs.enabled) on fixed
     random views: the model's cost alone, without the loader."""
 
+    # heavy: deepspeed, timm, omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import views_to_draw
-    from pretrain.data.views import ViewBatch
     from pretrain.methods import build_method
     from pretrain.runtime.loop import initialize_engine, train_step
     from pretrain.runtime.optim import build_optimizer
     from pretrain.runtime.stage import LoopOptions
-    from pretrain.runtime.task import BatchPosition
 
     torch.manual_seed(0)
     method = build_method(cfg)
@@ -38,8 +43,8 @@ def time_train_steps(cfg, steps: int, warmup: int) -> float:
 
 
 def run_hvs_benchmark(args: argparse.Namespace) -> dict:
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
-    from pretrain.runtime.distributed import init_distributed
 
     init_distributed()
     rows = []

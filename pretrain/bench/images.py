@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 SIMCLR_SIDE = 32
 SOURCE_SIDE = 64
@@ -13,8 +14,7 @@ SOURCE_SIDE = 64
 def synthetic_image_folder(root: Path, count: int, side: int = SOURCE_SIDE) -> Path:
     """`count` real-looking side x side JPEGs in 10 class folders: the digits upsampled, tinted, on a colour
     gradient (so colour jitter and crops act on real structure). Reused when already complete."""
-    from PIL import Image
-
+    # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.digits import digits_images
 
     marker = root / f".complete-{count}-{side}"
@@ -40,8 +40,7 @@ def synthetic_photo_folder(root: Path, count: int) -> Path:
     a large digit in a random colour over a colour gradient, band-limited texture and sensor-like noise, so
     that a JPEG costs about what a photo of that size costs to decode (tens of KB, not a few). Reused when
     already complete."""
-    from PIL import Image
-
+    # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.digits import digits_images
 
     marker = root / f".complete-{count}"
@@ -82,8 +81,6 @@ def photograph_folder(root: Path, count: int, source: Path, size: str) -> Path:
     random photograph (10-100% of its area, the aspect of the output), resized to about `size` (PHOTO_SIZES;
     a quarter of them portrait), in 10 class folders. The photographs install offline with Debian's
     `mate-backgrounds` package (PHOTO_SOURCE). Reused when already complete."""
-    from PIL import Image
-
     photographs = sorted(p for p in source.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
     if not photographs:
         raise SystemExit(f"error: --photos {source} holds no .jpg/.png photographs; install them with "
@@ -114,6 +111,7 @@ def photograph_folder(root: Path, count: int, source: Path, size: str) -> Path:
 def benchmark_images(work_dir: Path, count: int, photos: str, size: str, workers: int) -> tuple[Path, Path, str]:
     """(image folder, .beton, description) of the ImageNet-sized images: real photographs from `photos` (a folder)
     when it holds any, else (or with `photos` = "generated") the generated ~400 x 350 px set."""
+    # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.writer import write_image_folder
 
     if photos != "generated" and Path(photos).is_dir():

@@ -11,13 +11,17 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from pretrain.bench.images import (PHOTO_SIZES, PHOTO_SOURCE, SIMCLR_SIDE, SOURCE_SIDE, benchmark_images,
                                    synthetic_image_folder)
+from pretrain.data.seeding import seeded_generator
+from pretrain.data.views import ViewBatch, ViewGroup
 from pretrain.runtime.argument_types import non_negative_int, positive_int
 
 def cpu_seconds() -> float:
@@ -54,8 +58,8 @@ def run_loader_benchmark(args: argparse.Namespace) -> dict:
         raise SystemExit(2)
     if args.sizes == "imagenet":
         return run_imagenet_loader_benchmark(args)
+    # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.loader import build_view_loader
-    from pretrain.data.views import ViewGroup
     from pretrain.data.writer import write_image_folder
 
     work_dir = Path(args.data_dir)
@@ -148,8 +152,6 @@ def add_loader_command(commands) -> None:
 
 def imagenet_recipes() -> dict[str, list]:
     """The view recipes users train with at 224 px, as `data.views` groups (configs/pretrain/*imagenet*)."""
-    from pretrain.data.views import ViewGroup
-
     simclr = dict(size=224, scale=(0.08, 1.0), brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2, blur_p=0.5)
     glob = dict(size=224, scale=(0.4, 1.0), brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)
     local = dict(size=96, scale=(0.05, 0.4), brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1, blur_p=0.5)
@@ -170,8 +172,7 @@ class DecodePerViewLoader:
 
     def __init__(self, path: Path, groups: list, batch_size: int, num_workers: int, seed: int = 0,
                  device: str = "cpu"):
-        from dataclasses import replace
-
+        # heavy: ffcv, for this benchmark only (see pretrain/bench/__init__.py)
         from ffcv.fields.basics import IntDecoder
         from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder
         from ffcv.loader import OrderOption
@@ -196,11 +197,10 @@ class DecodePerViewLoader:
         self.num_images = int(self.loaders[0].reader.num_samples)
 
     def epoch(self, epoch: int):
+        # heavy: ffcv, cv2, for this benchmark only (see pretrain/bench/__init__.py)
         from pretrain.data.augment import augment_group, canvas_to_device, normalise
         from pretrain.data.ffcv_loader import ffcv_batches
         from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
-        from pretrain.data.seeding import seeded_generator
-        from pretrain.data.views import ViewBatch
 
         order = torch.randperm(self.num_images, generator=seeded_generator(self.seed, epoch)).numpy()
         streams = [ffcv_batches(loader, order) for loader in self.loaders]
@@ -219,6 +219,7 @@ class DecodePerViewLoader:
 def upsampled_share(groups: list, canvas: int | None, source_hw=(350, 400), draws: int = 20000) -> float:
     """Share of the recipe's views whose crop covers fewer canvas pixels than the view has (on either side): the
     view is then upsampled, blurrier than the source allows. canvas None: the source image's own pixels."""
+    # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.augment import sample_crop_boxes
 
     upsampled, total = 0, 0
@@ -235,6 +236,7 @@ def upsampled_share(groups: list, canvas: int | None, source_hw=(350, 400), draw
 def run_loader_case(args: argparse.Namespace) -> dict:
     """One case in this process (a process of its own per case, so that its memory is its own). Device "meta":
     the host's share of a GPU run, the device work left out (`canvas_to_device`)."""
+    # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.loader import build_view_loader
 
     case = json.loads(args.case)
@@ -261,8 +263,7 @@ def run_loader_case(args: argparse.Namespace) -> dict:
 def profile_views(beton: Path, groups: list, canvas: int, batch_size: int, workers: int) -> list[tuple[str, float]]:
     """Where a decode-once batch's time goes on this device: FFCV's decode to canvases, then the torch ops that
     draw the views (top operators by self CPU time), per batch."""
-    from torch.profiler import ProfilerActivity, profile
-
+    # heavy: ffcv, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.augment import augment_views
     from pretrain.data.ffcv_loader import build_ffcv_loader, ffcv_batches
 

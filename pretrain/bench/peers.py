@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from pretrain.runtime.argument_types import non_negative_int, positive_int
 
@@ -40,7 +41,7 @@ LIGHTLY_INSTALL = "make bench-peers (pip install --no-deps lightly==1.6.0 lightn
 
 def lightly_version() -> str:
     try:
-        import lightly
+        import lightly  # optional: installed by `make bench-peers`, not a dependency of the package
     except ImportError:
         print(f"error: the peer library lightly is not installed: {LIGHTLY_INSTALL}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -60,14 +61,13 @@ class GrayImages(torch.utils.data.Dataset):
         return len(self.images)
 
     def __getitem__(self, index: int):
-        from PIL import Image
-
         return self.transform(Image.fromarray(self.images[index]).convert("RGB"))
 
 
 def lightly_model(method: str, cfg, backbone: torch.nn.Module):
     """(transform, heads, loss of (backbone features of each view) -> scalar) from lightly for `method`, with the
     recipe's view, head and temperature settings."""
+    # optional: lightly, installed by `make bench-peers`, not a dependency of the package
     from lightly.loss import NegativeCosineSimilarity, NTXentLoss
     from lightly.models.modules import (SimCLRProjectionHead, SimSiamPredictionHead, SimSiamProjectionHead)
     from lightly.transforms import SimCLRTransform, SimSiamTransform
@@ -77,17 +77,17 @@ def lightly_model(method: str, cfg, backbone: torch.nn.Module):
                              cj_contrast=view.contrast, cj_sat=view.saturation, cj_hue=view.hue,
                              min_scale=view.scale[0], random_gray_scale=view.grayscale_p, gaussian_blur=view.blur_p,
                              hf_prob=view.flip_p, normalize={"mean": list(cfg.data.mean), "std": list(cfg.data.std)})
-    width, m = backbone.num_features, cfg.model
+    width, model = backbone.num_features, cfg.model
     if method == "simclr":
-        projector = SimCLRProjectionHead(width, m.proj_hidden_dim, m.proj_out_dim, num_layers=m.proj_layers)
+        projector = SimCLRProjectionHead(width, model.proj_hidden_dim, model.proj_out_dim, num_layers=model.proj_layers)
         criterion = NTXentLoss(temperature=cfg.method.temperature)
         heads = torch.nn.ModuleDict({"projector": projector})
 
         def loss(features: list[torch.Tensor]) -> torch.Tensor:
             return criterion(projector(features[0]), projector(features[1]))
         return SimCLRTransform(**transform_options), heads, loss
-    projector = SimSiamProjectionHead(width, m.proj_hidden_dim, m.proj_out_dim)
-    predictor = SimSiamPredictionHead(m.proj_out_dim, m.pred_hidden_dim, m.proj_out_dim)
+    projector = SimSiamProjectionHead(width, model.proj_hidden_dim, model.proj_out_dim)
+    predictor = SimSiamPredictionHead(model.proj_out_dim, model.pred_hidden_dim, model.proj_out_dim)
     criterion = NegativeCosineSimilarity()
     heads = torch.nn.ModuleDict({"projector": projector, "predictor": predictor})
 
@@ -102,6 +102,7 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
     """Train `method` with lightly's pieces for cfg.optim.epochs epochs; write this project's export after each epoch
     (RUN_DIR/exports/backbone_stepN.pth, the last also RUN_DIR/backbone.pth); return images/s of each window of
     cfg.engine.print_every_steps steps."""
+    # heavy: omegaconf, cv2, timm, for this benchmark only (see pretrain/bench/__init__.py)
     from omegaconf import OmegaConf
 
     from pretrain.data.fashion_mnist import read_fashion_mnist
@@ -169,6 +170,7 @@ def epoch_exports(run_dir: Path, steps_per_epoch: int, epochs: int) -> list[Path
 
 
 def run_peers(args: argparse.Namespace) -> dict:
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
     version = lightly_version()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -27,8 +28,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile as profiler
 
+from pretrain.data.views import ViewBatch
+from pretrain.hvs import select_hard_views
 from pretrain.runtime.argument_types import positive_int
+from pretrain.runtime.distributed import init_distributed, release_distributed
 
 FASHION_MNIST = ["configs/pretrain/simclr_fashion_mnist.yaml", "configs/pretrain/simsiam_fashion_mnist.yaml",
                  "configs/pretrain/dino_fashion_mnist.yaml", "configs/pretrain/tcl_fashion_mnist.yaml"]
@@ -51,8 +56,8 @@ def cases(imagenet: bool) -> list[tuple[str, str, list[str]]]:
 
 def fixed_batch(cfg):
     """One ViewBatch of random views of the sizes the loader would draw (the pool under selection)."""
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import views_to_draw
-    from pretrain.data.views import ViewBatch
 
     generator = torch.Generator().manual_seed(0)
     batch = cfg.data.batch_size
@@ -79,6 +84,7 @@ class FixedViews:
 def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[float], dict[str, float]]:
     """Seconds between consecutive optimizer steps of the real loop on a fixed batch; with `profile`, the CPU
     milliseconds per step of every `hardview/...` range the loop and the methods mark."""
+    # heavy: deepspeed, timm, omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.pretraining import Pretraining
     from pretrain.runtime.loop import run_training
 
@@ -101,11 +107,6 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
             method.after_step = timed_after_step
             return method
 
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
-    from pretrain.runtime.distributed import release_distributed
-
     phases = {}
     try:                  # the group of one ends with the run: a process started later must not take it for its own
         with profiler(activities=[ProfilerActivity.CPU]) if profile else nullcontext() as prof:
@@ -126,9 +127,7 @@ def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[floa
     """Seconds per step of a plain PyTorch loop of the same method module and optimizer on the same batch; a
     `variant` of PLAIN_VARIANTS measures what the loop would gain from it: the backbone and the views in
     channels-last memory, `torch.compile` of the backbone, or bf16 autocast (as `engine.precision=bf16` gives)."""
-    import random
-
-    from pretrain.hvs import select_hard_views
+    # heavy: timm, omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.methods import build_method
     from pretrain.runtime.optim import build_optimizer
 
@@ -160,6 +159,7 @@ def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[floa
 
 
 def case_config(config: str, overrides: list[str], run_dir: Path, steps: int, data: Path | None):
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
     train = [f"data.train={data / 'train.beton'}"] if data is not None else []      # its classes size the probe
@@ -179,8 +179,6 @@ def run_case(args: argparse.Namespace) -> dict:
         data = Path(case["data"]) if case.get("data") else None
         cfg = case_config(case["config"], case["overrides"], Path(work) / "run", case["steps"], data)
         if case.get("plain"):
-            from pretrain.runtime.distributed import init_distributed, release_distributed
-
             init_distributed("cpu")               # a group of one: DINO's centre is all-reduced
             seconds = plain_step_seconds(cfg, case["steps"], case.get("variant"))
             release_distributed()
@@ -211,6 +209,7 @@ def busy_processes(count: int) -> list[subprocess.Popen]:
 
 
 def run_train_benchmark(args: argparse.Namespace) -> dict:
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
     data = Path(args.data_dir)
@@ -253,6 +252,7 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
 def plain_variants(args, data: Path) -> list[dict]:
     """The plain loop of each selected case as it is and with each variant (PLAIN_VARIANTS), the faster of two runs:
     what channels-last, torch.compile or bf16 autocast would buy before anything is built for them."""
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
     rows = []
@@ -273,6 +273,7 @@ def plain_variants(args, data: Path) -> list[dict]:
 def step_split(case, args, data: Path) -> dict:
     """The project's step by phase (profiled in this process), with the loader's time per batch for the same
     recipe (the real FFCV loader on the Fashion-MNIST .beton), in milliseconds per step."""
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config, views_to_draw
     from pretrain.data.loader import build_view_loader
 
@@ -299,6 +300,7 @@ def step_split(case, args, data: Path) -> dict:
 
 def two_processes(case, args, data: Path) -> dict:
     """The same global batch on 1 and on 2 processes (gloo), images/s of the global batch."""
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
     name, config, overrides = case
@@ -313,6 +315,7 @@ def two_processes(case, args, data: Path) -> dict:
 def contention(case, args, data: Path) -> list[dict]:
     """The project's step alone and beside K busy processes (`while True: pass`), against the fair share, with
     OpenMP's threads sleeping at barriers (this project's setting) and spinning first (libgomp's default)."""
+    # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
     name, config, overrides = case
