@@ -10,10 +10,10 @@
         log_step, log_image_grids -> checkpoint_if_due (+ task.write_export) -> [stop signal: stop_on_signal]
 
 A stage (pretrain/pretraining.py, transfer/finetune/stage.py, transfer/detection/stage.py) describes its run as a
-`Stage` (pretrain/runtime/stage.py): its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the engine wraps, which turns a
-batch into a loss), its optimizer and schedules, what it records. `run_training(stage)` does the rest the same
-way for all: processes and the run lock, seeds, the DeepSpeed engine and its config, resume through the
-run-layout check, divergence, checkpoints, logging, the graceful stop.
+`Stage` (pretrain/runtime/stage.py): its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the
+engine wraps, which turns a batch into a loss), its optimizer and schedules, what it records. `run_training(stage)`
+does the rest the same way for all: processes and the run lock, seeds, the DeepSpeed engine and its config, resume
+through the run-layout check, divergence, checkpoints, logging, the graceful stop.
 
 Runs as one process (`python -m ...`) or several (`torchrun` / `deepspeed` / Slurm through `launch`);
 DeepSpeed ZeRO shards optimizer state (stage 1), gradients (2) and parameters (3) across them.
@@ -132,12 +132,12 @@ def run_training(stage: Stage) -> Any:
     Raises, on every rank: the stage's input errors (`Stage.input_errors`), CheckpointError, RunDirectoryInUse (bad
     input: nothing was trained); TrainingDiverged; StopRequested (a signal: a checkpoint was saved).
     """
-    o = stage.options
+    options = stage.options
     # ==== processes, run directory, seeds ====
     stage.check_inputs()                                # before any process group or worker starts
     check_writable(stage.run_dir)
-    rank, world_size, device = init_distributed(o.device)
-    threads = configure_threads(o.threads)              # after the launcher's LOCAL_WORLD_SIZE is known
+    rank, world_size, device = init_distributed(options.device)
+    threads = configure_threads(options.threads)              # after the launcher's LOCAL_WORLD_SIZE is known
     if rank == 0 and device.type == "cpu":
         print(f"{world_size} process(es) on the CPU, {threads} thread(s) each (engine.threads)", flush=True)
     created = first_missing_directory(stage.run_dir)    # what a refused fresh start must not leave behind
@@ -189,11 +189,11 @@ def train_in_run_directory(stage: Stage, rank: int, world_size: int, device: tor
 def train_one_epoch(run: Run) -> None:
     """The optimizer steps of epoch `run.epoch` from micro-batch `run.batch_in_epoch` on, to the epoch's end or the
     run's (its last step, its time budget); a stop signal saves a checkpoint and raises StopRequested."""
-    o, schedules = run.options, run.schedules
+    options, schedules = run.options, run.schedules
     run.window = LogWindow()
     # closing(): FFCV's decode thread is stopped and joined when the loop is left early
     with closing(run.loader.epoch(run.epoch, start_batch=run.batch_in_epoch)) as batches:
-        for _ in range(run.batch_in_epoch // o.grad_accum, run.steps_per_epoch):
+        for _ in range(run.batch_in_epoch // options.grad_accum, run.steps_per_epoch):
             set_schedule_values(run.optimizer, schedules.lr[run.step], schedules.weight_decay[run.step],
                                 schedules.peak_lr, run.step)
             step_sums, result = optimizer_step(run, batches)       # grad_accum x (loss -> backward), step
@@ -259,7 +259,7 @@ class Run:
 def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, stop: GracefulStop) -> Run:
     """The data, the task, the optimizer and its schedules, the DeepSpeed engine, the newest checkpoint that loads
     (else a fresh start), the monitor and the training clock: the `Run` the epoch loop trains."""
-    o = stage.options
+    options = stage.options
     stage.check_resumable()                         # on every rank: a refused start ends all of them
     if rank == 0:
         (stage.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -269,14 +269,14 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
 
     # ==== data, task, optimizer and schedules, DeepSpeed engine ====
     loader = stage.build_loader(rank, world_size, device)
-    steps_per_epoch = len(loader) // o.grad_accum
-    task = place_task(stage.build_task(steps_per_epoch, device), o, world_size, device)
-    schedules = stage.schedules(steps_per_epoch, o.batch_size * world_size * o.grad_accum)
+    steps_per_epoch = len(loader) // options.grad_accum
+    task = place_task(stage.build_task(steps_per_epoch, device), options, world_size, device)
+    schedules = stage.schedules(steps_per_epoch, options.batch_size * world_size * options.grad_accum)
     optimizer = stage.build_optimizer(task, schedules.peak_lr)
-    engine, optimizer, gradient_edits = initialize_engine(task, optimizer, o)
+    engine, optimizer, gradient_edits = initialize_engine(task, optimizer, options)
 
     # ==== resume: the newest checkpoint that loads, else a fresh start ====
-    checkpointer = Checkpointer(engine, task, stage, run_layout(o, world_size, loader.num_images))
+    checkpointer = Checkpointer(engine, task, stage, run_layout(options, world_size, loader.num_images))
     resumed_at = checkpointer.resume()
     epoch, batch_in_epoch, trained_seconds = resumed_at or (0, 0, 0.0)
     if resumed_at is not None:
@@ -288,9 +288,9 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     else:
         stage.check_fresh_start()
     stage.record(task, steps_per_epoch, rank)
-    total_steps = o.epochs * steps_per_epoch
-    stop_step = min(total_steps, o.max_steps) if o.max_steps > 0 else total_steps
-    monitor = TrainingMonitor(stage.run_dir, stop_step, enabled=rank == 0, print_every_steps=o.print_every_steps,
+    total_steps = options.epochs * steps_per_epoch
+    stop_step = min(total_steps, options.max_steps) if options.max_steps > 0 else total_steps
+    monitor = TrainingMonitor(stage.run_dir, stop_step, enabled=rank == 0, print_every_steps=options.print_every_steps,
                               resumed_step=engine.global_steps if resumed_at is not None else None)
     if resumed_at is not None:
         # The resumed checkpoint's export is written again: a finished run rerun repairs a damaged
@@ -300,10 +300,10 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     engine.train()
     # A time budget (engine.max_minutes) ends the run at the first step whose agreed training clock reaches it;
     # minute marks (engine.checkpoint_every_minutes) checkpoint at the first step past each.
-    budget_s, mark_s = 60 * o.max_minutes, 60 * o.checkpoint_every_minutes
-    return Run(stage=stage, options=o, rank=rank, world_size=world_size, device=device,
-               bf16=o.precision == "bf16" or (o.precision == "auto" and device.type == "cuda"), loader=loader,
-               steps_per_epoch=steps_per_epoch, task=task, engine=engine, optimizer=optimizer,
+    budget_s, mark_s = 60 * options.max_minutes, 60 * options.checkpoint_every_minutes
+    return Run(stage=stage, options=options, rank=rank, world_size=world_size, device=device,
+               bf16=options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda"),
+               loader=loader, steps_per_epoch=steps_per_epoch, task=task, engine=engine, optimizer=optimizer,
                gradient_edits=gradient_edits, schedules=schedules, checkpointer=checkpointer, monitor=monitor,
                stop=stop, clock=TrainingClock(trained_seconds), stop_step=stop_step, budget_s=budget_s, mark_s=mark_s,
                next_mark_s=next_minute_mark(trained_seconds, mark_s), epoch=epoch, batch_in_epoch=batch_in_epoch,
@@ -330,16 +330,16 @@ def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, float], 
     """One optimizer step: `train_step` on each of its grad_accum micro-batches (DeepSpeed steps the optimizer after
     the last). Returns the sums of the micro-batches' logged values and the last one's result; a non-finite loss is
     a divergence (raised, on every rank, before the step is applied)."""
-    o = run.options
+    options = run.options
     step_sums: dict[str, float] = {}
-    for _ in range(o.grad_accum):
+    for _ in range(options.grad_accum):
         tick = time.perf_counter()
         batch = next(batches, None)
         if batch is None:
             raise RuntimeError(f"the loader ended epoch {run.epoch} after {run.batch_in_epoch} of its "
                                f"{len(run.loader)} micro-batches")
         run.window.waited += time.perf_counter() - tick
-        position = BatchPosition(o.seed, run.rank, run.epoch, run.batch_in_epoch)
+        position = BatchPosition(options.seed, run.rank, run.epoch, run.batch_in_epoch)
         try:
             result = train_step(run.engine, run.task, batch, position, run.bf16, run.gradient_edits)
         except NonFiniteLoss as error:
@@ -369,12 +369,12 @@ def log_step(run: Run, step_sums: dict[str, float], epoch_scalars: dict[str, flo
     """Every engine.log_every_steps, at the last step and with an epoch's scalars: the step's mean over its
     micro-batches and over the processes (one all-reduce), the schedules' values, the throughput since the last
     logged step."""
-    o, step = run.options, run.step
+    options, step = run.options, run.step
     with record_function("hardview/logging"):
-        if not (step % o.log_every_steps == 0 or last or epoch_scalars):
+        if not (step % options.log_every_steps == 0 or last or epoch_scalars):
             return
         elapsed = time.perf_counter() - run.window.start
-        averaged = {**{name: total / o.grad_accum for name, total in step_sums.items()}, **run.task.scalars()}
+        averaged = {**{name: total / options.grad_accum for name, total in step_sums.items()}, **run.task.scalars()}
         values = torch.tensor(list(averaged.values()), device=run.device, dtype=torch.float32)
         dist.all_reduce(values)
         run.monitor.log(step, run.epoch, {**dict(zip(averaged, (values / run.world_size).tolist())),
