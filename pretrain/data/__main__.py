@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from pretrain.data import DatasetError
 from pretrain.data.fashion_mnist import FASHION_MNIST_DIR, write_fashion_mnist
