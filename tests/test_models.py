@@ -34,3 +34,28 @@ def test_the_swapped_convolution_keeps_the_state_dict_of_timm():
     theirs = timm.create_model("resnet50", num_classes=0).state_dict()
     assert ours.keys() == theirs.keys()
     assert all(ours[k].shape == theirs[k].shape for k in ours)
+
+
+def test_channels_last_convolutions_keep_weights_deepspeed_can_flatten_and_compute_the_same():
+    # engine.channels_last on GPUs: converting the weights broke deepspeed.initialize on an H200 (its broadcast views
+    # each parameter as bytes); the inputs are converted instead, and the values stay those of the NCHW network.
+    from pretrain.runtime.loop import channels_last_inputs
+
+    torch.manual_seed(0)
+    backbone = create_backbone("resnet18", "small_stride2").train()
+    hooked = create_backbone("resnet18", "small_stride2").train()
+    hooked.load_state_dict(backbone.state_dict())
+    channels_last_inputs(hooked)
+    layouts = []
+    hooked.layer2[0].conv2.register_forward_hook(
+        lambda module, inputs, output: layouts.append((inputs[0].is_contiguous(memory_format=torch.channels_last),
+                                                       output.is_contiguous(memory_format=torch.channels_last))))
+    images = torch.randn(4, 3, 32, 32)
+    expected, actual = backbone(images), hooked(images)
+    assert layouts == [(True, True)]                       # the convolutions read and write NHWC
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    expected.square().sum().backward()
+    actual.square().sum().backward()
+    for (name, p), q in zip(backbone.named_parameters(), hooked.parameters()):
+        q.data.view(torch.uint8)                           # what DeepSpeed does at initialisation: no error
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -9,6 +9,9 @@ cost is `bench loader`'s and the split's "data" row):
   `select_hard_views`) and the same torch optimizer, `loss.backward(); optimizer.step()`, nothing else.
 Images/s is the median over the timed steps after a warm-up, the faster of two runs of each (project, plain, plain,
 project, each in a process of its own); the ratio plain / project is the project's overhead.
+On a machine with a CUDA GPU both run on the GPU (the project as `python -m pretrain` would: bf16 under
+`engine.precision=auto`, channels-last where `engine.channels_last` asks; the plain loop the same), each step ended
+by `torch.cuda.synchronize()` before its time is read.
 Then the project's step split by phase (torch.profiler over `record_function` ranges the loop and the methods
 mark: `hardview/...`), the step on 2 processes (gloo, the same global batch), and the step while K busy
 processes share the cores, against the fair share (idle rate / (K + 1)).
@@ -54,8 +57,8 @@ def cases(imagenet: bool) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
-def fixed_batch(cfg):
-    """One ViewBatch of random views of the sizes the loader would draw (the pool under selection)."""
+def fixed_batch(cfg, device: torch.device):
+    """One ViewBatch of random views of the sizes the loader would draw (the pool under selection), on `device`."""
     # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import views_to_draw
 
@@ -64,7 +67,15 @@ def fixed_batch(cfg):
     groups = views_to_draw(cfg)
     views = [torch.randn(batch, g.count, 3, g.size, g.size, generator=generator) for g in groups]
     boxes = [torch.rand(batch, g.count, 4, generator=generator).sort(dim=-1).values[..., [0, 2, 1, 3]] for g in groups]
-    return ViewBatch(views, boxes, torch.arange(batch) % 10, torch.arange(batch))
+    return ViewBatch([v.to(device) for v in views], [b.to(device) for b in boxes], (torch.arange(batch) % 10).to(device),
+                     torch.arange(batch).to(device))
+
+
+def finish_step(device: torch.device) -> float:
+    """The time once the step's work is done: on a GPU, after the queued kernels have run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class FixedViews:
@@ -95,7 +106,7 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
             pass
 
         def build_loader(self, rank, world_size, device):
-            return FixedViews(fixed_batch(self.cfg), steps)
+            return FixedViews(fixed_batch(self.cfg, device), steps)
 
         def build_task(self, steps_per_epoch, device):
             method = super().build_task(steps_per_epoch, device)
@@ -103,7 +114,7 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
 
             def timed_after_step(step: int) -> None:
                 after_step(step)
-                stamps.append(time.perf_counter())
+                stamps.append(finish_step(device))
             method.after_step = timed_after_step
             return method
 
@@ -123,20 +134,24 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
 PLAIN_VARIANTS = ("channels_last", "compile", "bf16")
 
 
-def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[float]:
-    """Seconds per step of a plain PyTorch loop of the same method module and optimizer on the same batch; a
-    `variant` of PLAIN_VARIANTS measures what the loop would gain from it: the backbone and the views in
-    channels-last memory, `torch.compile` of the backbone, or bf16 autocast (as `engine.precision=bf16` gives)."""
-    # heavy: timm, omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
+def plain_step_seconds(cfg, steps: int, device: torch.device, variant: str | None = None) -> list[float]:
+    """Seconds per step of a plain PyTorch loop of the same method module and optimizer on the same batch, on
+    `device` with the precision and memory format the project would use there; a `variant` of PLAIN_VARIANTS
+    measures what the loop would gain from it: channels-last convolutions (as `engine.channels_last` gives),
+    `torch.compile` of the backbone, or bf16 autocast (as `engine.precision=bf16` gives)."""
+    # heavy: deepspeed, timm, omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.methods import build_method
+    from pretrain.runtime.loop import channels_last_inputs
+    from pretrain.runtime.stage import LoopOptions, uses_bf16
     from pretrain.runtime.optim import build_optimizer
 
     torch.manual_seed(cfg.seed)
-    method = build_method(cfg, steps).train()
+    method = build_method(cfg, steps).to(device).train()
     optimizer = build_optimizer(cfg, method.param_groups(), cfg.optim.lr)
-    batch = fixed_batch(cfg)
-    if variant == "channels_last":      # the weights: a convolution then computes in channels-last
-        method = method.to(memory_format=torch.channels_last)
+    batch = fixed_batch(cfg, device)
+    bf16 = variant == "bf16" or uses_bf16(LoopOptions.from_config(cfg), device)
+    if variant == "channels_last" or (device.type == "cuda" and cfg.engine.channels_last):
+        channels_last_inputs(method)                # as the project's loop does (engine.channels_last)
     if variant == "compile":
         method.backbone = torch.compile(method.backbone)
     times = []
@@ -147,14 +162,14 @@ def plain_step_seconds(cfg, steps: int, variant: str | None = None) -> list[floa
             views = select_hard_views(method, method, batch.views, batch.boxes, batch.labels, method.train_counts,
                                       cfg.hvs.mode, cfg.hvs.selection_size, cfg.hvs.max_candidates,
                                       random.Random(step)).views
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16" or cfg.engine.precision == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             outputs = method(views)
         loss = method.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         method.after_step(step + 1)
-        times.append(time.perf_counter() - start)
+        times.append(finish_step(device) - start)
     return times
 
 
@@ -179,8 +194,8 @@ def run_case(args: argparse.Namespace) -> dict:
         data = Path(case["data"]) if case.get("data") else None
         cfg = case_config(case["config"], case["overrides"], Path(work) / "run", case["steps"], data)
         if case.get("plain"):
-            init_distributed("cpu")               # a group of one: DINO's centre is all-reduced
-            seconds = plain_step_seconds(cfg, case["steps"], case.get("variant"))
+            _, _, device = init_distributed()     # a group of one (DINO's centre is all-reduced), on the GPU if any
+            seconds = plain_step_seconds(cfg, case["steps"], device, case.get("variant"))
             release_distributed()
         else:
             seconds, _ = project_step_seconds(cfg, case["steps"])
@@ -217,7 +232,8 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
         subprocess.run([sys.executable, "-m", "pretrain.data", "write-fashion-mnist", "--out-dir", str(data)],
                        check=True)
     steps = args.warmup + args.steps
-    print(f"{os.cpu_count()} cores, 1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"{device}, {os.cpu_count()} cores, 1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for name, config, overrides in cases(args.imagenet):
         if args.only and not any(word in name for word in args.only):
@@ -235,7 +251,7 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
                      "plain_images_per_s": round(plain, 1), "overhead": round(plain / project, 3)})
         print(f"  {name:<24} batch {cfg.data.batch_size:>4}: project {project:8.1f} images/s, plain loop "
               f"{plain:8.1f}, overhead {plain / project:.3f}x", flush=True)
-    result = {"command": "train", "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    result = {"command": "train", "device": device, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows, "warmup": args.warmup, "steps": args.steps}
     if args.plain_variants:
         result["plain_variants"] = plain_variants(args, data)
@@ -259,6 +275,7 @@ def plain_variants(args, data: Path) -> list[dict]:
     for name, config, overrides in cases(args.imagenet):
         if args.only and not any(word in name for word in args.only):
             continue
+        overrides = [*overrides, *args.override]
         cfg = load_config(config, overrides)
         common = {"config": config, "overrides": overrides, "steps": args.warmup + args.steps, "data": str(data),
                   "plain": True}
@@ -341,7 +358,8 @@ def contention(case, args, data: Path) -> list[dict]:
 
 
 def print_tables(result: dict) -> None:
-    print(f"\nthe pretraining step against a plain PyTorch loop of the same model ({result['cores']} cores, "
+    print(f"\nthe pretraining step against a plain PyTorch loop of the same model ({result['device']}, "
+          f"{result['cores']} cores, "
           f"median of {result['steps']} steps after {result['warmup']})")
     print(f"{'case':<24}{'batch':>6}{'project':>10}{'plain':>10}{'plain / project':>17}")
     for row in result["rows"]:

@@ -58,7 +58,7 @@ from pretrain.runtime.gradient_edits import GradientEdits
 from pretrain.runtime.monitor import TrainingMonitor
 from pretrain.runtime.optim import Schedules, set_schedule_values
 from pretrain.runtime.run_lock import locked_run_directory
-from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config
+from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config, uses_bf16
 from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 
 
@@ -83,10 +83,13 @@ class TrainingClock:
 
 
 def initialize_engine(task: TrainingTask, optimizer: torch.optim.Optimizer, options: LoopOptions):
-    """The DeepSpeed engine over `task` and `optimizer`, and the gradient edits its steps apply (read from the
-    optimizer's groups before DeepSpeed replaces their parameters). Returns (engine, optimizer, gradient_edits)."""
+    """The DeepSpeed engine over `task` (placed on its device) and `optimizer`, and the gradient edits its steps apply
+    (read from the optimizer's groups before DeepSpeed replaces their parameters). Returns (engine, optimizer,
+    gradient_edits)."""
     edits = GradientEdits(optimizer, options.grad_clip_per_parameter, options.zero_stage)
-    engine, optimizer, _, _ = deepspeed.initialize(model=task, optimizer=optimizer, config=deepspeed_config(options))
+    bf16 = uses_bf16(options, next(task.parameters()).device)
+    engine, optimizer, _, _ = deepspeed.initialize(model=task, optimizer=optimizer,
+                                                   config=deepspeed_config(options, bf16))
     if options.zero_stage == 0 and dist.get_world_size() == 1:
         # DeepSpeed all-reduces the gradients after every backward, one process or many: it flattens them into
         # buckets, reduces and copies them back, 30-40 ms a step of the Fashion-MNIST ResNet-18 (about a tenth of
@@ -302,7 +305,7 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     # minute marks (engine.checkpoint_every_minutes) checkpoint at the first step past each.
     budget_s, mark_s = 60 * options.max_minutes, 60 * options.checkpoint_every_minutes
     return Run(stage=stage, options=options, rank=rank, world_size=world_size, device=device,
-               bf16=options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda"),
+               bf16=uses_bf16(options, device),
                loader=loader, steps_per_epoch=steps_per_epoch, task=task, engine=engine, optimizer=optimizer,
                gradient_edits=gradient_edits, schedules=schedules, checkpointer=checkpointer, monitor=monitor,
                stop=stop, clock=TrainingClock(trained_seconds), stop_step=stop_step, budget_s=budget_s, mark_s=mark_s,
@@ -313,12 +316,26 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
 
 def place_task(task: TrainingTask, options: LoopOptions, world_size: int, device: torch.device) -> TrainingTask:
     """The task as it trains on `device`: SyncBatchNorm across several GPUs (engine.sync_batchnorm; never on CPU,
-    where it raises), channels-last memory on GPUs (engine.channels_last: convolutions then run NHWC)."""
+    where it raises), channels-last convolutions on GPUs (engine.channels_last: `channels_last_inputs`)."""
     if device.type == "cuda" and world_size > 1 and options.sync_batchnorm:
         task = nn.SyncBatchNorm.convert_sync_batchnorm(task)
     if device.type == "cuda" and options.channels_last:
-        task = task.to(memory_format=torch.channels_last)
+        channels_last_inputs(task)
     return task
+
+
+def channels_last_inputs(module: nn.Module) -> None:
+    """Every 2-D convolution of `module` reads its input in channels-last (NHWC) memory, and so computes and writes
+    NHWC (a convolution runs channels-last when its input or its weight is). The weights keep their contiguous
+    layout: DeepSpeed views every parameter as flat bytes (its broadcast at initialisation, ZeRO's flat groups),
+    which a channels-last weight refuses (`task.to(memory_format=torch.channels_last)` failed in
+    `deepspeed.initialize` on an H200: "self.stride(-1) must be 1 to view Float as Byte"). An input already
+    channels-last (the previous convolution's output) is not copied."""
+    def to_channels_last(_, inputs):
+        return (inputs[0].contiguous(memory_format=torch.channels_last), *inputs[1:])
+    for layer in module.modules():
+        if isinstance(layer, nn.Conv2d):
+            layer.register_forward_pre_hook(to_channels_last)
 
 
 def next_minute_mark(trained_seconds: float, mark_s: float) -> float:

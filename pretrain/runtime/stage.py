@@ -61,9 +61,21 @@ class LoopOptions:
                    threads=engine.get("threads", 0))
 
 
-def deepspeed_config(options: LoopOptions) -> dict:
-    """The DeepSpeed config of a run. `gradient_clipping` is always written: left out, DeepSpeed clips at 1.0."""
-    return {
+def uses_bf16(options: LoopOptions, device: torch.device) -> bool:
+    """Whether a run's forwards run under bf16 autocast on `device` (engine.precision; auto: on GPUs)."""
+    return options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda")
+
+
+def deepspeed_config(options: LoopOptions, bf16: bool) -> dict:
+    """The DeepSpeed config of a run. `gradient_clipping` is always written: left out, DeepSpeed clips at 1.0.
+
+    With `bf16`, the `torch_autocast` section: DeepSpeed's `engine.forward` turns a CUDA autocast region OFF inside
+    the engine unless its config has that section (deepspeed/runtime/torch_autocast.py, `autocast_if_enabled`):
+    without it every "bf16" forward on a GPU ran in fp32 (found on an H200, 2026-11-26; a CPU autocast region is
+    not touched). `lower_precision_safe_modules: []`: DeepSpeed's default would mark the Linear and Conv weights to
+    reduce their gradients in bf16; here every gradient stays fp32, as the fp32 master weights are.
+    """
+    config = {
         "train_micro_batch_size_per_gpu": options.batch_size,
         "gradient_accumulation_steps": options.grad_accum,
         "gradient_clipping": float(options.grad_clip),
@@ -71,6 +83,9 @@ def deepspeed_config(options: LoopOptions) -> dict:
         "zero_allow_untested_optimizer": True,   # our optimizers are plain torch ones (LARS is not DeepSpeed's)
         "steps_per_print": 1 << 30,
     }
+    if bf16:
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    return config
 
 
 class EpochLoader(Protocol):

@@ -33,7 +33,7 @@ from pretrain.runtime.atomic_write import write_text_atomically
 from pretrain.runtime.checkpoint import check_resumable
 from pretrain.runtime.distributed import average_buffers
 from pretrain.runtime.loop import run_training
-from pretrain.runtime.stage import ConfiguredStage
+from pretrain.runtime.stage import ConfiguredStage, uses_bf16
 from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
 from transfer.classifier import build_classifier, layer_decay_param_groups
 from transfer.finetune.augment import BatchAugmentation, seed_batch_generators
@@ -263,8 +263,8 @@ class Finetuning(ConfiguredStage):
         model = build_classifier(inputs.export, inputs.start, inputs.num_classes,
                                  drop_path_rate=cfg.model.drop_path_rate, head_init_std=cfg.model.head_init_std,
                                  seed=cfg.seed)
-        bf16 = cfg.engine.precision == "bf16" or (cfg.engine.precision == "auto" and device.type == "cuda")
-        return FinetuneTask(model, augmentation, val_loader, cfg.optim.layer_decay, cfg.seed, bf16, cfg.optim.epochs)
+        return FinetuneTask(model, augmentation, val_loader, cfg.optim.layer_decay, cfg.seed,
+                            uses_bf16(self.options, device), cfg.optim.epochs)
 
     def record(self, task: FinetuneTask, steps_per_epoch: int, rank: int) -> None:
         if rank == 0:
