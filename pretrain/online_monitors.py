@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pretrain.runtime.cpu_threads import one_thread_on_cpu
+
 RANKME_EPS = 1e-7          # Garrido et al. 2023's epsilon
 
 
@@ -30,7 +32,8 @@ def rankme(features: torch.Tensor, eps: float = RANKME_EPS) -> float:
     features = features.detach().float()
     if not torch.isfinite(features).all():        # a diverging step: the loop stops on its loss, not here
         return float("nan")
-    singular_values = torch.linalg.svdvals(features)
+    with one_thread_on_cpu(features.device):
+        singular_values = torch.linalg.svdvals(features)
     p = singular_values / singular_values.sum() + eps
     return float(torch.exp(-(p * torch.log(p)).sum()))
 
@@ -70,7 +73,7 @@ class OnlineLinearProbe:
         # Non-finite features (a diverging step, which the loop stops on) leave this process's gradient at 0:
         # every process still takes part in the all-reduce below.
         known = (labels >= 0) & torch.isfinite(features).all(dim=1)
-        with torch.enable_grad():
+        with torch.enable_grad(), one_thread_on_cpu(features.device):
             logits = self.linear(features[known])
             loss = F.cross_entropy(logits, labels[known], reduction="sum") / max(int(known.sum()), 1)
             self.optimizer.zero_grad(set_to_none=False)

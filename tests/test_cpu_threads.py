@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.runtime.cpu_threads import usable_cpus
+from pretrain.runtime.cpu_threads import one_thread_on_cpu, usable_cpus
 
 ROOT = Path(__file__).parents[1]
 
@@ -82,3 +82,30 @@ def test_the_ffcv_loader_leaves_torch_threads_as_the_training_set_them(digits):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_monitors_small_cpu_work_runs_in_one_thread_and_gives_the_threads_back():
+    import torch
+
+    from pretrain.online_monitors import rankme
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        with one_thread_on_cpu(torch.device("cpu")):
+            seen.append(torch.get_num_threads())
+        with one_thread_on_cpu(torch.device("meta")):             # not the CPU: left alone
+            seen.append(torch.get_num_threads())
+        try:
+            with one_thread_on_cpu(torch.device("cpu")):
+                raise KeyboardInterrupt                            # a stop inside gives the threads back too
+        except KeyboardInterrupt:
+            seen.append(torch.get_num_threads())
+        assert seen == [1, 2, 2]
+        features = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+        s = torch.linalg.svdvals(features.double())
+        p = s / s.sum() + 1e-7
+        assert abs(rankme(features) - float(torch.exp(-(p * p.log()).sum()))) < 1e-4 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

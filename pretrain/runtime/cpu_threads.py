@@ -11,6 +11,8 @@ may use: `usable_cpus()`, or `engine.threads` when set.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -45,3 +47,20 @@ def configure_threads(requested: int = 0) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+@contextmanager
+def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """Small CPU work (the online monitors' 128 x 512 SVD, a linear probe's step) in one thread. With OpenMP's
+    threads sleeping at barriers (OMP_WAIT_POLICY=PASSIVE, pretrain/__init__.py) each of its many small parallel
+    regions wakes the team: RankMe's SVD took 16.8 ms on 2 threads against 2.5 ms on one (2.7 ms on 2 spinning
+    threads; 2 idle cores, 2026-11-26). On a GPU this does nothing."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
