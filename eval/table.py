@@ -2,7 +2,8 @@
 
 One row per run: the method and its hard view selection (RUN_DIR/config.yaml), the k-NN top-1 (k = 20) and the
 linear-probe top-1 of its final export (RUN_DIR/eval/knn_stepN.json, linear_stepN.json: run `python -m eval knn`
-and `linear` first), the training's wall-clock minutes and median images/s, and the median 1-minute load average
+and `linear` first), the training's minutes (the run's training clock, `perf/training_seconds`: a run killed and
+resumed a day later shows the minutes it trained, not the day) and median images/s, and the median 1-minute load average
 while it trained (RUN_DIR/metrics.jsonl: a load above the cores the run used says it shared the machine). A run
 without a result of its final step is named, not shown with an older one. The README's and docs' results tables
 are this command's output, with the sentence it ends with: the command and the commit that made it.
@@ -71,7 +72,8 @@ def run_row(run_dir: Path) -> dict:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rates = [line["perf/images_per_s"] for line in lines if "perf/images_per_s" in line][1:]
     loads = [line["perf/load_average_1min"] for line in lines if "perf/load_average_1min" in line]
-    minutes = (lines[-1]["time"] - lines[0]["time"]) / 60 if len(lines) > 1 else float("nan")
+    clock = [line["perf/training_seconds"] for line in lines if "perf/training_seconds" in line]
+    minutes = clock[-1] / 60 if clock else float("nan")
     return {"run": run_dir.name, "method": config["method"]["name"], "selection": selection(config),
             "seed": config.get("seed", 0), "step": step, "knn": round(scores["knn"], 2),
             "linear": round(scores["linear"], 2), "minutes": round(minutes, 1),

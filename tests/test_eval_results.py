@@ -53,7 +53,8 @@ def test_a_result_on_a_full_disk_names_the_file_and_leaves_nothing_half_written(
 
 def test_the_results_table_is_read_from_what_the_runs_wrote(tmp_path, capsys):
     """`python -m eval table`: method and selection from config.yaml, the final step's k-NN and linear results,
-    minutes, median images/s and load from metrics.jsonl; an unfinished or unevaluated run is named, not shown."""
+    minutes of the training clock (not of the wall clock: the run below was resumed after a day), median images/s and
+    load from metrics.jsonl; an unfinished or unevaluated run is named, not shown."""
     import yaml
 
     from eval.__main__ import main
@@ -69,8 +70,10 @@ def test_the_results_table_is_read_from_what_the_runs_wrote(tmp_path, capsys):
         if evaluated:
             (run / "eval" / "knn_step0000468.json").write_text(json.dumps({"top1": {"20": knn}}))
             (run / "eval" / "linear_step0000468.json").write_text(json.dumps({"top1": 0.8384}))
-        lines = [{"step": s, "time": 1000.0 + 30 * s, "perf/images_per_s": rate, "perf/load_average_1min": load}
-                 for s, rate, load in ((1, 20.0, 5.0), (2, 300.0, 1.5), (3, 340.0, 2.0), (4, 350.0, 1.0))]
+        lines = [{"step": s, "time": time, "perf/images_per_s": rate, "perf/load_average_1min": load,
+                  "perf/training_seconds": seconds}
+                 for s, time, seconds, rate, load in ((1, 1000.0, 0.0, 20.0, 5.0), (2, 1030.0, 30.0, 300.0, 1.5),
+                                                      (3, 87430.0, 60.0, 340.0, 2.0), (4, 87460.0, 90.0, 350.0, 1.0))]
         (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         return run
 
