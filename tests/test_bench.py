@@ -42,3 +42,25 @@ def test_fewer_images_than_a_batch_is_refused_not_timed_as_zero(capsys):
     with pytest.raises(SystemExit) as refused:
         main(["loader", "--images", "10", "--batch-size", "256"])
     assert refused.value.code == 2 and "--images 10 is fewer than --batch-size 256" in capsys.readouterr().err
+
+
+def test_peers_reads_back_a_finished_run_only_when_it_trained_the_same_recipe(tmp_path):
+    """A finished run left in --work-dir by another revision or other flags would be reported as this one: its
+    settings (config.yaml as the run wrote it: lists where the composed config has tuples) must equal the run the
+    command would make."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from pretrain.bench.peers import RECIPES, check_same_recipe
+    from pretrain.config import load_config
+
+    config, recipe = RECIPES["simsiam"]
+    cfg = load_config(config, [*recipe, "seed=1", f"run_dir={tmp_path}"])
+    written = yaml.safe_load(OmegaConf.to_yaml(cfg, resolve=True))         # as RUN_DIR/config.yaml holds it
+    check_same_recipe(tmp_path, written, cfg)                               # the same run: read back
+    older = load_config(config, ["seed=1", f"run_dir={tmp_path}"])          # an older run: the config's 2 layers
+    with pytest.raises(SystemExit, match=r"holds a finished run with other settings \(model.proj_layers=2 -> 3\)"):
+        check_same_recipe(tmp_path, yaml.safe_load(OmegaConf.to_yaml(older, resolve=True)), cfg)
+    other_crops = load_config(config, [*recipe, "seed=1", "data.views.0.scale=[0.2,1.0]", f"run_dir={tmp_path}"])
+    with pytest.raises(SystemExit, match=r"data.views=.*'scale': \[0.3, 1.0\].*'scale': \[0.2, 1.0\]"):
+        check_same_recipe(tmp_path, written, other_crops)

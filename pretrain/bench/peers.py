@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from PIL import Image
 
 from pretrain.runtime.argument_types import non_negative_int, positive_int
@@ -151,6 +152,22 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
 
 # ============ the comparison ============
 
+RECIPE_KEYS = ("model", "method", "optim", "hvs", "seed", "data.views", "data.batch_size")   # what a run trained
+
+
+def check_same_recipe(run_dir: Path, saved, cfg) -> None:
+    """Refuse to read back a finished run of `run_dir` whose settings `saved` (its config.yaml, or the peer's export's
+    config) differ from `cfg`, the run this command would make: a run left by an earlier revision or other flags would
+    be reported as this one."""
+    # heavy: omegaconf, for this benchmark only (see pretrain/bench/__init__.py)
+    from pretrain.runtime.checkpoint import changed_settings
+
+    changed = changed_settings(saved, cfg, RECIPE_KEYS)
+    if changed:
+        raise SystemExit(f"error: {run_dir} holds a finished run with other settings ({'; '.join(changed)}): it is not "
+                         "the run this command compares. Delete it, or pass another --work-dir.")
+
+
 def evaluate(run_dir: Path, checkpoint: Path) -> dict[str, float]:
     """k-NN (k = 20) and linear-probe top-1 of one export, by this project's `python -m eval`."""
     scores = {}
@@ -191,14 +208,19 @@ def run_peers(args: argparse.Namespace) -> dict:
                 cfg = load_config(config, [*overrides, f"run_dir={run_dir}"])
                 started = time.perf_counter()
                 if library == "hardview":
-                    if not (run_dir / "finished.json").exists():
+                    if (run_dir / "finished.json").exists():
+                        check_same_recipe(run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), cfg)
+                    else:
                         subprocess.run([sys.executable, "-m", "pretrain", "--config", config, *overrides,
                                         f"run_dir={run_dir}"], check=True)
                     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
                     rates = [line["perf/images_per_s"] for line in logged if "perf/images_per_s" in line]
                 else:                 # a finished peer run is read back, as a finished project run is
                     finished = run_dir / "finished.json"
-                    if not finished.exists():
+                    if finished.exists():
+                        check_same_recipe(run_dir, torch.load(run_dir / "backbone.pth", map_location="cpu",
+                                                              weights_only=True)["config"], cfg)
+                    else:
                         rates = train_peer(method, cfg, run_dir, args.workers)
                         finished.write_text(json.dumps({"images_per_s": rates}))
                     rates = json.loads(finished.read_text())["images_per_s"]

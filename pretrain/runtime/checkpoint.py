@@ -220,7 +220,11 @@ def changed_settings(saved, current, keys: Sequence[str]) -> list[str]:
             yield key
 
     def plain(value):
-        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        """A setting as plain Python, tuples as lists (a config written to YAML and read back has no tuples)."""
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        return [plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
     return [f"{leaf}={plain(OmegaConf.select(saved, leaf))!r} -> {plain(OmegaConf.select(current, leaf))!r}"
             for key in keys for leaf in leaves(key)
