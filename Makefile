@@ -1,6 +1,6 @@
 # make demo   installs everything it needs, then runs the whole pipeline on the embedded digits data
 # make demo-detection  the same, plus detection on the digit scenes (longer)
-# make test   installs everything it needs, then runs the test suite
+# make test   installs everything it needs, then runs the test suite (the real-Slurm tests beside the others)
 # make test-fast  the unit tier only: the tests not marked slow or slurm (about a minute)
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
 # make bench-peers  installs lightly (the peer library, not a dependency of the package), then this project against it on Fashion-MNIST
@@ -33,8 +33,20 @@ demo: install
 demo-detection: install
 	$(PY) -m launch.demo --detection
 
+# The real-Slurm tests (-m slurm) spend most of their four minutes waiting for the scheduler (1-minute time limits,
+# requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others'.
+# The suite fails when either fails. (A background job of make's shell starts with Ctrl-C ignored: its pytest takes
+# Ctrl-C back, so that it stops its Slurm cluster on an interrupt as the others' pytest does.)
+SLURM_TESTS := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(["-m", "slurm"]))
 test: install
-	$(PY) -m pytest
+	@slurm_log=$$(mktemp); \
+	$(PY) -c '$(SLURM_TESTS)' > $$slurm_log 2>&1 & slurm_tests=$$!; \
+	trap 'kill -INT $$slurm_tests 2>/dev/null; wait $$slurm_tests; cat $$slurm_log; rm -f $$slurm_log; exit 130' INT TERM; \
+	$(PY) -m pytest -m "not slurm"; others=$$?; \
+	wait $$slurm_tests; slurm=$$?; \
+	echo "== the real-Slurm tests (pytest -m slurm), run beside the others:"; cat $$slurm_log; rm -f $$slurm_log; \
+	echo "== pytest -m 'not slurm': exit status $$others; pytest -m slurm: exit status $$slurm"; \
+	test $$others = 0 -a $$slurm = 0
 
 test-fast: install
 	$(PY) -m pytest -m "not slow and not slurm"
