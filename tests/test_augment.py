@@ -90,6 +90,33 @@ def test_each_large_view_is_its_own_antialiased_resize_of_the_rounded_crop(inter
         assert torch.allclose(views[k], expected, atol=1e-7)
 
 
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("pixels", ["uint8", "float"])
+def test_large_views_coloured_as_they_are_written_equal_the_batch_coloured_afterwards(interpolation, pixels):
+    """The one-by-one path colours and clamps each view as it writes it (one batch, one pass): the same views as
+    resizing the whole batch first, then the batched colour matmul (`colour_views`) and the clamp, with every
+    jitter, grayscale and flip; strong factors, so that the clamp bites."""
+    from pretrain.data.augment import colour_matrices, colour_views
+
+    canvas = reference_inputs()[0][:2]
+    if pixels == "float":
+        canvas = canvas.float() / 255
+    scale = 1 / 255 if pixels == "uint8" else 1.0
+    boxes = torch.tensor([[0.1, 0.2, 0.6, 0.9], [0.0, 0.0, 1.0, 1.0], [0.55, 0.05, 0.95, 0.45], [0.3, 0.3, 0.7, 0.8]],
+                         dtype=torch.float64)
+    flip = torch.tensor([False, True, True, False])
+    colour = colour_matrices(torch.tensor([1.0, 0.3, 1.0, 1.2]), torch.tensor([8.0, 1.0, 0.2, 1.0]),
+                             torch.tensor([0.0, 1.7, 1.0, 1.3]), torch.tensor([0.2, -0.1, 0.0, 0.05]),
+                             torch.tensor([False, False, True, False]))
+    written = crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, scale, interpolation=interpolation,
+                                          colour=colour)
+    afterwards = colour_views(crop_resize_flip_one_by_one(canvas, boxes, 2, 40, flip, scale,
+                                                          interpolation=interpolation), *colour).clamp(0, 1)
+    assert written.shape == (4, 3, 40, 40) and written.is_contiguous()
+    assert (written - afterwards).abs().max() < 1e-5
+    assert (written == 0).any() and (written == 1).any()                  # the clamp bit on both ends
+
+
 def test_the_host_side_of_a_gpu_run_draws_the_same_boxes_and_computes_no_pixels():
     """Device "meta" (the loader benchmark's GPU host side): the canvas is copied as a pinned copy would be, every
     random draw happens as on a real device, the views are shape-only."""

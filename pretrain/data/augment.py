@@ -19,13 +19,14 @@ training device:
    and resized with PyTorch's antialiased kernel on the uint8 canvas (bilinear: vectorised for channels-last
    uint8: 10-30x faster than the matmuls for 96-224 px views, 2x at 32 px, slower only for tiny views); the
    crop box is then rounded to whole canvas pixels (the recorded box stays exact: < 1 canvas pixel apart).
-   The large views land in one channel-first float batch, the layout the model reads, and every later step
-   works on it in place or on the chosen views only: no concatenation, no layout copy. The small views (the
+   The large views land in one channel-first float batch, the layout the model reads, each coloured (step 3)
+   and clamped as it is written, while it is in the cache; every later step works on the batch in place or on
+   the chosen views only: no concatenation, no layout copy, no second batch. The small views (the
    digits runs') keep the arithmetic their results were measured with: colour on channels-last pixels, one
    copy to channel-first, the blur as a convolution; the same values to float32 rounding, not bit for bit.
 3. Colour jitter with probability `jitter_p` in a FIXED order brightness -> contrast -> saturation -> hue
    (torchvision draws a random order), then grayscale with `grayscale_p`. All five are affine maps of RGB,
-   so they are composed into one per-view 3x3 matrix + offset and applied in one batched matmul, clamped
+   so they are composed into one per-view 3x3 matrix + offset and applied in one matmul, clamped
    to [0, 1] once at the end (torchvision clamps after every step; results differ only where an
    intermediate step saturates). Then gaussian blur, solarisation, and normalisation with mean / std.
 
@@ -161,28 +162,8 @@ def resize_weights(starts: torch.Tensor, lengths: torch.Tensor, source_size: int
 PER_VIEW_MIN_SIZE = 32        # on the CPU, views this large or larger are resized one by one (module docstring)
 
 
-def crop_resize_flip(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
-                     flip: torch.Tensor, pixel_scale: float = 1.0, extent: torch.Tensor | None = None,
-                     interpolation: str = "bilinear") -> torch.Tensor:
-    """Crop every box from its canvas, resize to size x size (antialiased `interpolation`, one of INTERPOLATIONS)
-    and mirror flipped views. Bicubic values are clamped to [0, 1], as the uint8 pixels of PIL's resize (DINO's).
-
-    canvas: (B, H, W, 3) uint8 or float, channels last as decoded; boxes: (B * n, 4) CPU fractions of the image
-    (rows b * n .. b * n + n - 1 belong to image b); flip: (B * n,) bool; pixel_scale multiplies every pixel
-    (e.g. 1 / 255); extent: (B, 2) CPU heights and widths of the image in each canvas's top-left corner (a batch
-    padded to its largest image), None when each image fills its canvas.
-    Returns float (B * n, 3, size_y, size_x): contiguous from the CPU's one-by-one path (the layout the model
-    reads, written once), channels-last memory from the matmuls (a permuted view, no copy).
-    """
-    if canvas.device.type == "cpu" and size >= PER_VIEW_MIN_SIZE:
-        return crop_resize_flip_one_by_one(canvas, boxes, views_per_image, size, flip, pixel_scale, extent,
-                                           interpolation)
-    views = crop_resize_flip_by_matmuls(canvas, boxes, views_per_image, size, flip, pixel_scale, extent, interpolation)
-    return views.permute(0, 3, 1, 2)                                                        # from (K, y, x, 3)
-
-
 def view_extents(canvas: torch.Tensor, extent: torch.Tensor | None, views_per_image: int) -> torch.Tensor:
-    """(B * n, 2) float64 CPU height and width of each view's image on its canvas (`crop_resize_flip`'s extent)."""
+    """(B * n, 2) float64 CPU height and width of each view's image on its canvas (the crop functions' extent)."""
     if extent is None:
         extent = torch.tensor([canvas.shape[1:3]]).expand(canvas.shape[0], 2)
     return extent.to("cpu", torch.float64).repeat_interleave(views_per_image, dim=0)
@@ -190,32 +171,64 @@ def view_extents(canvas: torch.Tensor, extent: torch.Tensor | None, views_per_im
 
 def crop_resize_flip_one_by_one(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
                                 flip: torch.Tensor, pixel_scale: float = 1.0,
-                                extent: torch.Tensor | None = None, interpolation: str = "bilinear") -> torch.Tensor:
-    """`crop_resize_flip` on the CPU for views of PER_VIEW_MIN_SIZE px and more: each box rounded to whole canvas
+                                extent: torch.Tensor | None = None, interpolation: str = "bilinear",
+                                colour: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Crop, resize and flip on the CPU, for views of PER_VIEW_MIN_SIZE px and more: each box rounded to whole canvas
     pixels, cropped, and resized by `F.interpolate(mode=interpolation, antialias=True)` on the uint8 canvas when it
     is one (uint8 until the last step), then converted to float straight into its slot of one preallocated
-    channel-first batch:
-    no concatenation, no layout copy of its own. The scale is one `mul_` over the batch afterwards:
-    `torch.mul(uint8, scale, out=float)` would fold it into the copy but takes 10x longer than `copy_`."""
+    channel-first batch, the layout the model reads: no concatenation, no layout copy of its own.
+
+    canvas: (B, H, W, 3) uint8 or float, channels last as decoded; boxes: (B * n, 4) CPU fractions of the image
+    (rows b * n .. b * n + n - 1 belong to image b); flip: (B * n,) bool; pixel_scale multiplies every pixel
+    (e.g. 1 / 255); extent: (B, 2) CPU heights and widths of the image in each canvas's top-left corner (a batch
+    padded to its largest image), None when each image fills its canvas. Bicubic values are clamped to the pixel
+    range, as the uint8 pixels of PIL's resize (DINO's).
+
+    Without `colour`: returns float (B * n, 3, size, size), the pixels times pixel_scale (one `mul_` over the batch:
+    `torch.mul(uint8, scale, out=float)` would fold it into the copy but takes 10x longer than `copy_`).
+    With `colour`, `colour_matrices`' (M, u, luma) for every view: each view is also coloured (`colour_views`'
+    x -> M x + u * mean_luma(x), the pixel scale folded into M and u) and clamped to [0, 1] as it is written,
+    while its pixels are in the cache: one batch allocated instead of two, and one pass over it instead of four
+    (convert, scale, colour, clamp). Without a malloc that keeps freed memory (HARDVIEW_MALLOC=reuse) each new
+    batch is paid for again in page faults, so the batch not allocated is time saved too.
+    """
     planes = canvas.permute(0, 3, 1, 2)                    # (B, 3, H, W) with channels-last memory, no copy
     heights, widths = view_extents(canvas, extent, views_per_image).unbind(1)
     pixels = (boxes.to(torch.float64) * torch.stack([widths, heights, widths, heights], dim=1)).round().long()
     views = torch.empty(boxes.shape[0], 3, size, size)
+    saturate = interpolation == "bicubic" and canvas.dtype != torch.uint8   # a uint8 resize saturates by itself
+    if colour is not None:
+        matrix, mean_coefficient, luma = colour
+        matrix, mean_coefficient = (matrix * pixel_scale).float(), (mean_coefficient * pixel_scale).float()
+        luma = luma.float()
+        scratch = torch.empty(1, 3, size * size)           # one view's float pixels, reused: stays in the cache
     for k, ((x0, y0, x1, y1), mirrored) in enumerate(zip(pixels.tolist(), flip.tolist())):
         x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)
         image = k // views_per_image
         resized = F.interpolate(planes[image:image + 1, :, y0:y1, x0:x1], size=(size, size), mode=interpolation,
                                 antialias=True, align_corners=False)[0]
-        views[k].copy_(resized.flip(-1) if mirrored else resized)    # uint8 channels-last -> float channel-first
-    if interpolation == "bicubic" and canvas.dtype != torch.uint8:
-        views.clamp_(0, 1 / pixel_scale)        # the cubic's overshoot (a uint8 resize saturates by itself)
+        resized = resized.flip(-1) if mirrored else resized
+        if colour is None:
+            views[k].copy_(resized)                        # uint8 channels-last -> float channel-first
+            continue
+        float_pixels = scratch.view(3, size, size).copy_(resized)
+        if saturate:
+            float_pixels.clamp_(0, 1 / pixel_scale)
+        offset = mean_coefficient[k] * (scratch[0].mean(dim=1) @ luma)
+        slot = views[k].view(1, 3, size * size)
+        torch.baddbmm(offset.view(1, 3, 1), matrix[k:k + 1], scratch, out=slot).clamp_(0, 1)
+    if colour is not None:
+        return views
+    if saturate:
+        views.clamp_(0, 1 / pixel_scale)
     return views.mul_(pixel_scale) if pixel_scale != 1 else views
 
 
 def crop_resize_flip_by_matmuls(canvas: torch.Tensor, boxes: torch.Tensor, views_per_image: int, size: int,
                                 flip: torch.Tensor, pixel_scale: float = 1.0,
                                 extent: torch.Tensor | None = None, interpolation: str = "bilinear") -> torch.Tensor:
-    """`crop_resize_flip` as two batched matmuls (GPUs, and small views on the CPU). Separable: one batched
+    """Crop, resize and flip as two batched matmuls (GPUs, and small views on the CPU), the arguments as
+    `crop_resize_flip_one_by_one`'s; bicubic values clamped to [0, 1]. Separable: one batched
     matmul over canvas rows (the n views of an image share its canvas, no copy), one over columns (the flip is
     the column matrix reversed), instead of a gather + sampler. The interpolation matrices are built on the
     canvas's device: on a GPU run the host sends the boxes, not (views x size x canvas) weights.
@@ -320,17 +333,13 @@ def gaussian_blur_(views: torch.Tensor, chosen: torch.Tensor, sigma: torch.Tenso
 def colour_views(views: torch.Tensor, matrix: torch.Tensor, mean_coefficient: torch.Tensor,
                  luma: torch.Tensor) -> torch.Tensor:
     """x -> M x + u * mean_luma(view) (`colour_matrices`) for every view (K, 3, H, W), as one batched 3 x 3 matmul
-    in the views' memory layout, into a new tensor of that layout: on channel-first planes (K, 3, H * W), the
-    CPU's large views (2.4x faster than on pixels), or on channels-last pixels (K, H * W, 3), the matmuls' views,
-    whose arithmetic the digits results were measured with (the same values to float32 rounding).
+    on channels-last pixels (K, H * W, 3), into a new tensor: the batched matmuls' views (GPUs, the CPU's small
+    views), in the arithmetic the digits results were measured with. The CPU's large views are coloured one by one
+    as they are written (`crop_resize_flip_one_by_one`), in the same arithmetic to float32 rounding.
     """
     count, _, height, width = views.shape
     device, dtype = views.device, views.dtype
     matrix, luma = matrix.to(device, dtype), luma.to(device, dtype)
-    if views.is_contiguous():
-        planes = views.view(count, 3, height * width)
-        offset = mean_coefficient.to(device, dtype) * (planes.mean(dim=2) @ luma)[:, None]
-        return torch.baddbmm(offset.unsqueeze(2), matrix, planes).view(count, 3, height, width)
     pixels = views.permute(0, 2, 3, 1).reshape(count, height * width, 3)        # a view of channels-last memory
     offset = mean_coefficient.to(device, dtype) * (pixels.mean(dim=1) @ luma)[:, None]
     coloured = torch.baddbmm(offset.unsqueeze(1), pixels, matrix.transpose(1, 2))
@@ -365,7 +374,7 @@ def check_view_group(group: ViewGroup) -> None:
 def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGroup, generator: torch.Generator,
                   pixel_scale: float = 1.0, extent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one group of views from canvases (B, H, W, 3), uint8 or float, whose pixels times `pixel_scale` lie in
-    [0, 1]; `extent` as in `crop_resize_flip`.
+    [0, 1]; `extent` as in `crop_resize_flip_one_by_one`.
 
     Returns views (B, n, 3, size, size) in [0, 1] (not normalised) and boxes (B, n, 4) float32 on canvas.device.
     """
@@ -398,11 +407,21 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
     if device.type == "meta":      # the host's share of a GPU run (canvas_to_device): the device work left out
         return torch.empty(batch, n, 3, size, size, device=device), boxes_out
 
-    views = crop_resize_flip(canvas, boxes, n, size, flip, pixel_scale, extent, group.interpolation)  # (K, 3, y, x)
-    one_by_one = views.is_contiguous()         # the CPU's large views; else the matmuls' channels-last memory
-    if coloured:
-        views = colour_views(views, matrix, mean_coefficient, luma)
-    views = views.clamp_(0, 1).contiguous()    # channel-first from here on (a copy for the matmuls' views only)
+    # (K, 3, y, x) channel-first in [0, 1] from here on. The CPU's large views one by one, each coloured as it is
+    # written; else (GPUs, the CPU's small views) two batched matmuls, whose channels-last views are coloured and
+    # copied to channel-first.
+    one_by_one = canvas.device.type == "cpu" and size >= PER_VIEW_MIN_SIZE
+    if one_by_one:
+        views = crop_resize_flip_one_by_one(canvas, boxes, n, size, flip, pixel_scale, extent, group.interpolation,
+                                            (matrix, mean_coefficient, luma) if coloured else None)
+        if not coloured:
+            views.clamp_(0, 1)
+    else:
+        views = crop_resize_flip_by_matmuls(canvas, boxes, n, size, flip, pixel_scale, extent,
+                                            group.interpolation).permute(0, 3, 1, 2)         # from (K, y, x, 3)
+        if coloured:
+            views = colour_views(views, matrix, mean_coefficient, luma)
+        views = views.clamp_(0, 1).contiguous()
 
     if blur.any():                             # the chosen views only, in place
         chosen = blur.nonzero().squeeze(1)
