@@ -64,3 +64,32 @@ def test_peers_reads_back_a_finished_run_only_when_it_trained_the_same_recipe(tm
     other_crops = load_config(config, [*recipe, "seed=1", "data.views.0.scale=[0.2,1.0]", f"run_dir={tmp_path}"])
     with pytest.raises(SystemExit, match=r"data.views=.*'scale': \[0.3, 1.0\].*'scale': \[0.2, 1.0\]"):
         check_same_recipe(tmp_path, written, other_crops)
+
+
+def test_peers_scores_an_export_once_and_again_when_the_export_is_newer(tmp_path, monkeypatch):
+    """A comparison run again reads back the results of exports already scored; an export written after its
+    result (a run trained again) is scored again."""
+    import os
+
+    import torch
+
+    from pretrain.bench import peers
+
+    checkpoint = tmp_path / "exports" / "backbone_step00000005.pth"
+    checkpoint.parent.mkdir()
+    torch.save({"step": 5}, checkpoint)
+    (tmp_path / "eval").mkdir()
+    scored = []
+
+    def score(command, **_):                      # what `python -m eval PROTOCOL --run ... --checkpoint ...` writes
+        protocol = command[3]
+        scored.append(protocol)
+        top1 = {"20": 0.75} if protocol == "knn" else 0.8
+        (tmp_path / "eval" / f"{protocol}_step0000005.json").write_text(json.dumps({"top1": top1}))
+    monkeypatch.setattr(peers.subprocess, "run", score)
+    assert peers.evaluate(tmp_path, checkpoint) == {"knn": 75.0, "linear": 80.0} and scored == ["knn", "linear"]
+    assert peers.evaluate(tmp_path, checkpoint) == {"knn": 75.0, "linear": 80.0} and len(scored) == 2   # read back
+    later = checkpoint.stat().st_mtime + 10
+    os.utime(checkpoint, (later, later))                                   # trained again after it was scored
+    peers.evaluate(tmp_path, checkpoint)
+    assert scored == ["knn", "linear", "knn", "linear"]

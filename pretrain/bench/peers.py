@@ -169,12 +169,15 @@ def check_same_recipe(run_dir: Path, saved, cfg) -> None:
 
 
 def evaluate(run_dir: Path, checkpoint: Path) -> dict[str, float]:
-    """k-NN (k = 20) and linear-probe top-1 of one export, by this project's `python -m eval`."""
-    scores = {}
-    for protocol in ("knn", "linear"):
-        subprocess.run([sys.executable, "-m", "eval", protocol, "--run", str(run_dir), "--checkpoint", str(checkpoint)],
-                       check=True, stdout=subprocess.DEVNULL)
+    """k-NN (k = 20) and linear-probe top-1 of one export, by this project's `python -m eval`; a result written after
+    the export was (a finished comparison run again) is read back."""
     step = torch.load(checkpoint, weights_only=True, map_location="cpu")["step"]
+    for protocol in ("knn", "linear"):
+        result = run_dir / "eval" / f"{protocol}_step{step:07d}.json"
+        if not result.is_file() or result.stat().st_mtime < checkpoint.stat().st_mtime:
+            subprocess.run([sys.executable, "-m", "eval", protocol, "--run", str(run_dir), "--checkpoint",
+                            str(checkpoint)], check=True, stdout=subprocess.DEVNULL)
+    scores = {}
     knn = json.loads((run_dir / "eval" / f"knn_step{step:07d}.json").read_text())
     linear = json.loads((run_dir / "eval" / f"linear_step{step:07d}.json").read_text())
     scores["knn"] = 100 * float(knn["top1"]["20"])
@@ -206,7 +209,6 @@ def run_peers(args: argparse.Namespace) -> dict:
             for library in ("hardview", f"lightly {version}"):
                 run_dir = Path(args.work_dir) / f"{method}_{library.split()[0]}_seed{seed}"
                 cfg = load_config(config, [*overrides, f"run_dir={run_dir}"])
-                started = time.perf_counter()
                 if library == "hardview":
                     if (run_dir / "finished.json").exists():
                         check_same_recipe(run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), cfg)
@@ -215,16 +217,19 @@ def run_peers(args: argparse.Namespace) -> dict:
                                         f"run_dir={run_dir}"], check=True)
                     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
                     rates = [line["perf/images_per_s"] for line in logged if "perf/images_per_s" in line]
+                    minutes = max(line.get("perf/training_seconds", 0) for line in logged) / 60    # its training clock
                 else:                 # a finished peer run is read back, as a finished project run is
                     finished = run_dir / "finished.json"
                     if finished.exists():
                         check_same_recipe(run_dir, torch.load(run_dir / "backbone.pth", map_location="cpu",
                                                               weights_only=True)["config"], cfg)
                     else:
+                        started = time.perf_counter()
                         rates = train_peer(method, cfg, run_dir, args.workers)
-                        finished.write_text(json.dumps({"images_per_s": rates}))
-                    rates = json.loads(finished.read_text())["images_per_s"]
-                minutes = (time.perf_counter() - started) / 60
+                        finished.write_text(json.dumps({"images_per_s": rates,
+                                                        "train_minutes": (time.perf_counter() - started) / 60}))
+                    finished_run = json.loads(finished.read_text())
+                    rates, minutes = finished_run["images_per_s"], finished_run.get("train_minutes", float("nan"))
                 steps_per_epoch = 60000 // cfg.data.batch_size
                 for epoch, export in enumerate(epoch_exports(run_dir, steps_per_epoch, args.epochs), start=1):
                     scores = evaluate(run_dir, export)
