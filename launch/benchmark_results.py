@@ -184,6 +184,20 @@ def markdown(entries: list[dict], made_by: str) -> str:
     return "\n".join(lines)
 
 
+CURVE_MARKERS = ("o", "s", "^", "D")
+
+
+def curve_styles(labels: list[str]) -> dict[str, tuple[tuple, str]]:
+    """(colour, marker) of each row's curves, the same in both panels and distinct for up to 80 rows: matplotlib's
+    20 qualitative colours (tab20: the 10 of its default cycle, then their light tints), then the next marker."""
+    from matplotlib import colormaps
+
+    colours = colormaps["tab20"].colors
+    order = [*range(0, 20, 2), *range(1, 20, 2)]              # the 10 strong colours first, then their tints
+    return {label: (colours[order[i % 20]], CURVE_MARKERS[i // 20 % len(CURVE_MARKERS)])
+            for i, label in enumerate(labels)}
+
+
 def plot(entries: list[dict], path: Path, title: str) -> None:
     """k-NN and linear against minutes of training: a line per row (mean over seeds, band: +- one std), the
     references as horizontal lines, a supervised row's classifier top-1 beside the linear probes."""
@@ -193,6 +207,7 @@ def plot(entries: list[dict], path: Path, title: str) -> None:
 
     figure, panels = plt.subplots(1, 2, figsize=(14, 5), layout="constrained")
     sizes = sorted({entry["row"] for entry in entries if entry["kind"] in ("raw_pixels", "random_init")})
+    styles = curve_styles([entry["label"] for entry in entries if entry["kind"] not in ("raw_pixels", "random_init")])
     for axes, measure, name in zip(panels, ("knn", "linear"), ("k-NN top-1 (k = 20)", "linear probe top-1")):
         for entry in entries:
             if entry["kind"] in ("raw_pixels", "random_init"):
@@ -205,9 +220,10 @@ def plot(entries: list[dict], path: Path, title: str) -> None:
                 continue
             x = [p["minutes"] for p in curve]
             mean, std = np.array([p["mean"] for p in curve]), np.array([p["std"] for p in curve])
-            line, = axes.plot(x, mean, marker="o", markersize=3, label=entry["label"])
+            colour, marker = styles[entry["label"]]
+            axes.plot(x, mean, marker=marker, markersize=3, color=colour, label=entry["label"])
             if len(entry["seeds"]) > 1:
-                axes.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+                axes.fill_between(x, mean - std, mean + std, color=colour, alpha=0.2)
         axes.set_xlim(left=0)
         axes.set_xlabel("minutes of training")
         axes.set_ylabel(f"{name}, %")

@@ -163,3 +163,13 @@ def test_every_shipped_benchmark_file_loads_with_its_references_and_at_least_6_m
     rows = load_benchmark(str(path))
     assert {row.kind for row in rows} == {"reference", "pretrain", "supervised"}
     assert all(row.marks >= 6 for row in rows if row.kind != "reference")
+
+
+def test_every_row_of_a_long_benchmark_gets_a_colour_and_marker_of_its_own():
+    """The digits file has 11 curves: matplotlib's default cycle of 10 colours gave the 11th the first's."""
+    from launch.benchmark_results import curve_styles
+
+    labels = [f"row {i}" for i in range(25)]
+    styles = curve_styles(labels)
+    assert len(set(styles.values())) == 25
+    assert len({colour for colour, _ in list(styles.values())[:20]}) == 20        # 20 colours before a new marker
