@@ -5,8 +5,10 @@ linear-probe top-1 of its final export (RUN_DIR/eval/knn_stepN.json, linear_step
 and `linear` first), the training's minutes (the run's training clock, `perf/training_seconds`: a run killed and
 resumed a day later shows the minutes it trained, not the day) and median images/s, and the median 1-minute load average
 while it trained (RUN_DIR/metrics.jsonl: a load above the cores the run used says it shared the machine). A run
-without a result of its final step is named, not shown with an older one. The README's and docs' results tables
-are this command's output, with the sentence it ends with: the command and the commit that made it.
+without a result of its final step is named, not shown with an older one. With `--mean-over-seeds`, runs whose
+settings differ only in `seed` (and their names) make one row: the mean and standard deviation (n - 1) of the
+k-NN and the linear probe over the seeds, and each seed's value. The README's and docs' results tables are this
+command's output, with the sentence it ends with: the command and the commit that made it.
 """
 from __future__ import annotations
 
@@ -74,11 +76,55 @@ def run_row(run_dir: Path) -> dict:
     loads = [line["perf/load_average_1min"] for line in lines if "perf/load_average_1min" in line]
     clock = [line["perf/training_seconds"] for line in lines if "perf/training_seconds" in line]
     minutes = clock[-1] / 60 if clock else float("nan")
-    return {"run": run_dir.name, "method": config["method"]["name"], "selection": selection(config),
+    return {"run": run_dir.name, "recipe": recipe(config), "method": config["method"]["name"],
+            "selection": selection(config),
             "seed": config.get("seed", 0), "step": step, "knn": round(scores["knn"], 2),
             "linear": round(scores["linear"], 2), "minutes": round(minutes, 1),
             "images_per_s": round(float(np.median(rates)), 0) if rates else None,
             "load_average_1min": round(float(np.median(loads)), 2) if loads else None}
+
+
+PER_RUN_KEYS = ("seed", "name", "run_dir")      # what runs of one recipe over several seeds differ in
+
+
+def recipe(config: dict) -> str:
+    """The run's settings but its seed and its names, as canonical JSON: equal for the seeds of one recipe."""
+    return json.dumps({key: value for key, value in config.items() if key not in PER_RUN_KEYS}, sort_keys=True)
+
+
+def mean_over_seeds(rows: list[dict]) -> list[dict]:
+    """One row per recipe, in the order of its first run: its runs, seeds, and k-NN / linear mean, std and values."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["recipe"], []).append(row)
+    merged = []
+    for runs in groups.values():
+        seeds = [run["seed"] for run in runs]
+        if len(set(seeds)) < len(seeds):
+            raise TableInputError(f"{', '.join(run['run'] for run in runs)}: the same settings and the same seed "
+                                  f"twice ({seeds}); pass each run once")
+        merged.append({"runs": [run["run"] for run in runs], "method": runs[0]["method"],
+                       "selection": runs[0]["selection"], "seeds": seeds,
+                       **{protocol: {"mean": round(float(np.mean(values)), 2),
+                                     "std": round(float(np.std(values, ddof=1)), 2) if len(values) > 1 else None,
+                                     "values": values}
+                          for protocol in ("knn", "linear") for values in [[run[protocol] for run in runs]]},
+                       "minutes": round(float(np.mean([run["minutes"] for run in runs])), 1)})
+    return merged
+
+
+def markdown_over_seeds(rows: list[dict]) -> str:
+    lines = ["| runs | method | HVS | seeds | k-NN, mean ± std | linear, mean ± std | k-NN by seed | linear by seed | "
+             "minutes (mean) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def cell(result: dict) -> str:
+        return f"{result['mean']:.2f}%" + (f" ± {result['std']:.2f}" if result["std"] is not None else "")
+    for row in rows:
+        lines.append(f"| {', '.join(row['runs'])} | {row['method']} | {row['selection']} | "
+                     f"{', '.join(map(str, row['seeds']))} | {cell(row['knn'])} | {cell(row['linear'])} | "
+                     f"{', '.join(f'{v:.2f}' for v in row['knn']['values'])} | "
+                     f"{', '.join(f'{v:.2f}' for v in row['linear']['values'])} | {row['minutes']:.1f} |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -95,12 +141,21 @@ def markdown(rows: list[dict]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="finished pretraining runs, evaluated")
     parser.add_argument("--out", metavar="FILE.md", help="also write the table there, and the rows as FILE.json")
+    parser.add_argument("--mean-over-seeds", action="store_true",
+                        help="one row per recipe: runs whose settings differ only in seed, with the mean and std "
+                             "(n - 1) of k-NN and linear over their seeds, and each seed's value")
 
 
 def run(args: argparse.Namespace) -> int:
     rows = [run_row(Path(run)) for run in args.runs]
-    command = shlex.join(["python", "-m", "eval", "table", *args.runs, *(["--out", args.out] if args.out else [])])
-    table = markdown(rows) + "\n\n" + made_by(command)[0]
+    if args.mean_over_seeds:
+        rows = mean_over_seeds(rows)
+    else:
+        for row in rows:
+            del row["recipe"]
+    command = shlex.join(["python", "-m", "eval", "table", *args.runs, *(["--out", args.out] if args.out else []),
+                          *(["--mean-over-seeds"] if args.mean_over_seeds else [])])
+    table = (markdown_over_seeds(rows) if args.mean_over_seeds else markdown(rows)) + "\n\n" + made_by(command)[0]
     print(table)
     if args.out:
         out = Path(args.out)

@@ -91,3 +91,39 @@ def test_the_results_table_is_read_from_what_the_runs_wrote(tmp_path, capsys):
     unevaluated = finished_run("late", {"enabled": False}, 0.0, evaluated=False)
     assert main(["table", str(plain), str(unevaluated)]) == 2
     assert "no knn result of its final step 468; run `python -m eval knn --run" in capsys.readouterr().err
+
+
+def test_the_table_over_seeds_groups_runs_that_differ_only_in_seed(tmp_path, capsys):
+    """`eval table --mean-over-seeds`: runs whose settings differ only in seed and names make one row (mean, std with
+    n - 1, each seed's value); another setting makes another row; the same seed twice is refused by name."""
+    import yaml
+
+    from eval.__main__ import main
+
+    def finished_run(name: str, seed: int, knn: float, linear: float, lr: float = 0.3) -> Path:
+        run = tmp_path / name
+        (run / "eval").mkdir(parents=True)
+        config = {"name": name, "run_dir": str(run), "seed": seed, "method": {"name": "simclr"},
+                  "optim": {"lr": lr}, "hvs": {"enabled": False}, "data": {"views": [{"count": 2, "size": 16}]}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "finished.json").write_text(json.dumps({"step": 10, "epoch": 0}))
+        (run / "eval" / "knn_step0000010.json").write_text(json.dumps({"top1": {"20": knn}}))
+        (run / "eval" / "linear_step0000010.json").write_text(json.dumps({"top1": linear}))
+        lines = [{"step": s, "time": 100.0 * s, "perf/training_seconds": 60.0 * s, "perf/images_per_s": 300.0}
+                 for s in (1, 10)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return run
+
+    runs = [finished_run("a", 0, 0.80, 0.84), finished_run("b", 1, 0.82, 0.85), finished_run("c", 2, 0.81, 0.83),
+            finished_run("other_lr", 0, 0.70, 0.75, lr=0.6)]
+    out = tmp_path / "seeds.md"
+    assert main(["table", *map(str, runs), "--mean-over-seeds", "--out", str(out)]) == 0
+    table = out.read_text().splitlines()
+    assert table[2] == ("| a, b, c | simclr | - | 0, 1, 2 | 81.00% ± 1.00 | 84.00% ± 1.00 | 80.00, 82.00, 81.00 | "
+                        "84.00, 85.00, 83.00 | 10.0 |")
+    assert table[3].startswith("| other_lr | simclr | - | 0 | 70.00% | 75.00% |")
+    assert json.loads(out.with_suffix(".json").read_text())[0]["knn"] == {"mean": 81.0, "std": 1.0,
+                                                                          "values": [80.0, 82.0, 81.0]}
+    twice = finished_run("d", 1, 0.5, 0.5)
+    assert main(["table", str(runs[1]), str(twice), "--mean-over-seeds"]) == 2
+    assert "the same settings and the same seed twice ([1, 1])" in capsys.readouterr().err
