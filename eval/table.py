@@ -53,8 +53,8 @@ def read_json(path: Path) -> dict:
         raise TableInputError(f"{path}: cannot be read ({error})") from None
 
 
-def run_row(run_dir: Path) -> dict:
-    """What the table shows of one finished run."""
+def run_row(run_dir: Path) -> tuple[dict, dict]:
+    """What the table shows of one finished run, and the settings it ran with (its config.yaml)."""
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise TableInputError(f"{run_dir}: no config.yaml; pass the directory of a pretraining run")
@@ -76,12 +76,11 @@ def run_row(run_dir: Path) -> dict:
     loads = [line["perf/load_average_1min"] for line in lines if "perf/load_average_1min" in line]
     clock = [line["perf/training_seconds"] for line in lines if "perf/training_seconds" in line]
     minutes = clock[-1] / 60 if clock else float("nan")
-    return {"run": run_dir.name, "recipe": recipe(config), "method": config["method"]["name"],
-            "selection": selection(config),
+    return {"run": run_dir.name, "method": config["method"]["name"], "selection": selection(config),
             "seed": config.get("seed", 0), "step": step, "knn": round(scores["knn"], 2),
             "linear": round(scores["linear"], 2), "minutes": round(minutes, 1),
             "images_per_s": round(float(np.median(rates)), 0) if rates else None,
-            "load_average_1min": round(float(np.median(loads)), 2) if loads else None}
+            "load_average_1min": round(float(np.median(loads)), 2) if loads else None}, config
 
 
 PER_RUN_KEYS = ("seed", "name", "run_dir")      # what runs of one recipe over several seeds differ in
@@ -92,11 +91,12 @@ def recipe(config: dict) -> str:
     return json.dumps({key: value for key, value in config.items() if key not in PER_RUN_KEYS}, sort_keys=True)
 
 
-def mean_over_seeds(rows: list[dict]) -> list[dict]:
-    """One row per recipe, in the order of its first run: its runs, seeds, and k-NN / linear mean, std and values."""
+def mean_over_seeds(rows: list[dict], recipes: list[str]) -> list[dict]:
+    """One row per recipe (`recipe` of each row's run), in the order of its first run: its runs, seeds, and k-NN /
+    linear mean, std and values."""
     groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(row["recipe"], []).append(row)
+    for row, key in zip(rows, recipes):
+        groups.setdefault(key, []).append(row)
     merged = []
     for runs in groups.values():
         seeds = [run["seed"] for run in runs]
@@ -147,12 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [run_row(Path(run)) for run in args.runs]
+    rows, configs = zip(*(run_row(Path(run)) for run in args.runs))
     if args.mean_over_seeds:
-        rows = mean_over_seeds(rows)
-    else:
-        for row in rows:
-            del row["recipe"]
+        rows = mean_over_seeds(list(rows), [recipe(config) for config in configs])
     command = shlex.join(["python", "-m", "eval", "table", *args.runs, *(["--out", args.out] if args.out else []),
                           *(["--mean-over-seeds"] if args.mean_over_seeds else [])])
     table = (markdown_over_seeds(rows) if args.mean_over_seeds else markdown(rows)) + "\n\n" + made_by(command)[0]

@@ -171,18 +171,17 @@ def check_same_recipe(run_dir: Path, saved, cfg) -> None:
 def evaluate(run_dir: Path, checkpoint: Path) -> dict[str, float]:
     """k-NN (k = 20) and linear-probe top-1 of one export, by this project's `python -m eval`; a result written after
     the export was (a finished comparison run again) is read back."""
+    from eval.results import result_path      # where `python -m eval` writes: the one place that says so
+
     step = torch.load(checkpoint, weights_only=True, map_location="cpu")["step"]
+    top1 = {}
     for protocol in ("knn", "linear"):
-        result = run_dir / "eval" / f"{protocol}_step{step:07d}.json"
+        result = result_path(run_dir, protocol, step)
         if not result.is_file() or result.stat().st_mtime < checkpoint.stat().st_mtime:
             subprocess.run([sys.executable, "-m", "eval", protocol, "--run", str(run_dir), "--checkpoint",
                             str(checkpoint)], check=True, stdout=subprocess.DEVNULL)
-    scores = {}
-    knn = json.loads((run_dir / "eval" / f"knn_step{step:07d}.json").read_text())
-    linear = json.loads((run_dir / "eval" / f"linear_step{step:07d}.json").read_text())
-    scores["knn"] = 100 * float(knn["top1"]["20"])
-    scores["linear"] = 100 * float(linear["top1"])
-    return scores
+        top1[protocol] = json.loads(result.read_text())["top1"]
+    return {"knn": 100 * float(top1["knn"]["20"]), "linear": 100 * float(top1["linear"])}
 
 
 def epoch_exports(run_dir: Path, steps_per_epoch: int, epochs: int) -> list[Path]:
