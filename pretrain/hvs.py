@@ -34,14 +34,14 @@ class Selection:
     boxes: per group, (B, count_g, 4) their crop boxes.
     chosen: (B, k) flat pool indices of the chosen views (group 0's pool first).
     scores: (B, C) per-sample loss of every scored candidate.
-    stats: the hvs/* scalars (means over this process's batch).
+    stats: the hvs/* scalars (means over this process's batch), 0-d tensors.
     """
 
     views: list[torch.Tensor]
     boxes: list[torch.Tensor]
     chosen: torch.Tensor
     scores: torch.Tensor
-    stats: dict[str, float]
+    stats: dict[str, torch.Tensor]
 
 
 def candidate_combinations(counts: Sequence[int], pools: Sequence[int], max_candidates: int = 0,
@@ -140,7 +140,7 @@ def select_hard_views(forward: Callable[[list[torch.Tensor]], dict], method, vie
 
 
 def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tensor, table: torch.Tensor,
-                    iou_views: int | None = None) -> dict[str, float]:
+                    iou_views: int | None = None) -> dict[str, torch.Tensor]:
     """The scalars of HVS sec. 5.1: loss and IoU of the chosen combination against the mean over all
     candidates, and the share of samples whose chosen combination has their lowest IoU. Candidates can tie
     on IoU (DINO's IoU is that of the two globals, shared by every candidate with the same globals: with
@@ -149,11 +149,12 @@ def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tenso
 
     The IoU of a combination is the mean IoU over the pairs of its first `iou_views` views (None: all):
     for pairs the pair's IoU, for DINO that of its two global crops. A candidate of one view (the deep-metric-
-    learning methods, one view per image) has no pair: then only the two loss scalars are returned.
+    learning methods, one view per image) has no pair: then only the two loss scalars are returned. The values
+    are 0-d tensors, read by the loop on the steps that log (`pretrain.runtime.task.Scalar`).
     """
     batch = scores.shape[0]
     rows = torch.arange(batch, device=scores.device)
-    losses = {"hvs/selected_loss": scores[rows, pick].mean().item(), "hvs/mean_pair_loss": scores.mean().item()}
+    losses = {"hvs/selected_loss": scores[rows, pick].mean(), "hvs/mean_pair_loss": scores.mean()}
     members = table[:, :iou_views] if iou_views else table
     if members.shape[1] < 2:
         return losses
@@ -161,7 +162,7 @@ def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tenso
                         for a, b in combinations(range(members.shape[1]), 2)]).mean(0)   # (B, C)
     return {
         **losses,
-        "hvs/selected_iou": ious[rows, pick].mean().item(),
-        "hvs/mean_pair_iou": ious.mean().item(),
-        "hvs/lowest_iou_chosen_frac": (ious[rows, pick] <= ious.min(dim=1).values).float().mean().item(),
+        "hvs/selected_iou": ious[rows, pick].mean(),
+        "hvs/mean_pair_iou": ious.mean(),
+        "hvs/lowest_iou_chosen_frac": (ious[rows, pick] <= ious.min(dim=1).values).float().mean(),
     }

@@ -64,18 +64,24 @@ class OnlineLinearProbe:
                         state[name] = value.to(device)
         return self
 
-    def update(self, features: torch.Tensor, labels: torch.Tensor) -> float:
+    def update(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One Adam step on (N, D) features (detached here) and (N,) labels; images labelled -1 (unknown), or with
         non-finite features, are left out. Returns the top-1 of the probe before the step on the images kept (nan
-        if none); every process must call it (the gradients are all-reduced)."""
+        if none), as a 0-d tensor: nothing here reads a value back from the device, so on a GPU the step does not
+        wait for it (the loop reads it on the steps that log). Every process must call it (the gradients are
+        all-reduced)."""
         self.to(features.device)
         features = features.detach().float()
-        # Non-finite features (a diverging step, which the loop stops on) leave this process's gradient at 0:
-        # every process still takes part in the all-reduce below.
+        # The images left out weigh 0 rather than being indexed away (a boolean index waits for the device to count
+        # them); their features are zeroed, so non-finite ones (a diverging step, which the loop stops on) add
+        # nothing either: every process still takes part in the all-reduce below.
         known = (labels >= 0) & torch.isfinite(features).all(dim=1)
+        features = torch.where(known[:, None], features, 0.0)
+        targets = torch.where(known, labels, 0)
+        count = known.sum()
         with torch.enable_grad(), one_thread_on_cpu(features.device):
-            logits = self.linear(features[known])
-            loss = F.cross_entropy(logits, labels[known], reduction="sum") / max(int(known.sum()), 1)
+            logits = self.linear(features)
+            loss = (F.cross_entropy(logits, targets, reduction="none") * known).sum() / count.clamp(min=1)
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -83,9 +89,8 @@ class OnlineLinearProbe:
                 dist.all_reduce(parameter.grad)
                 parameter.grad /= dist.get_world_size()
         self.optimizer.step()
-        if not known.any():
-            return float("nan")
-        return float((logits.argmax(dim=1) == labels[known]).float().mean())
+        correct = ((logits.detach().argmax(dim=1) == targets) & known).sum()
+        return correct / count                            # 0 / 0: nan when no image is kept
 
     def state_dict(self) -> dict:
         return {"linear": self.linear.state_dict(), "optimizer": self.optimizer.state_dict()}

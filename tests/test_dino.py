@@ -473,8 +473,9 @@ def pretrain(run_dir: Path, digits: Path, *overrides: str):
     return forked_runs.run("pretrain", [
         "--config", CONFIG, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
         f"data.val={digits / 'val.beton'}", *TINY, "data.batch_size=16", "hvs.enabled=true",
-        "engine.checkpoint_every_steps=1", "engine.keep_checkpoints=10", "method.momentum_teacher=0.5",
-        "optim.warmup_epochs=0", "optim.lr=0.01", *overrides], env={"OMP_NUM_THREADS": "1"})
+        "engine.checkpoint_every_steps=1", "engine.keep_checkpoints=10", "engine.log_every_steps=1",
+        "method.momentum_teacher=0.5", "optim.warmup_epochs=0", "optim.lr=0.01", *overrides],
+        env={"OMP_NUM_THREADS": "1"})
 
 
 def saved_state(run_dir: Path, step: int) -> dict:

@@ -71,7 +71,7 @@ def test_a_tiny_benchmark_run_trains_and_is_evaluated_on_the_written_test_set(tm
     run([sys.executable, "-m", "pretrain", "--config", str(ROOT / "configs/pretrain/simclr_fashion_mnist.yaml"),
          f"run_dir={run_dir}", f"data.train={data / 'train.beton'}", f"data.val={data / 'test.beton'}",
          "data.batch_size=32", "model.proj_hidden_dim=64", "optim.epochs=1", "engine.max_steps=4",
-         "engine.image_grid_every_steps=0"])
+         "engine.image_grid_every_steps=0", "engine.log_every_steps=1"])
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in logged] == [1, 2, 3, 4]
     for line in logged:

@@ -61,7 +61,8 @@ def test_killed_then_stopped_run_resumes_at_the_right_step(digits, tmp_path):
     logged once, with the lr of the schedule, and the result reaches RUN_DIR/eval and RUN_DIR/tb."""
     run_dir = tmp_path / "run"
     write_export(run_dir, digits)
-    common = ("data.batch_size=16", "optim.epochs=2", "engine.checkpoint_every_steps=2", "data.num_workers=1")
+    common = ("data.batch_size=16", "optim.epochs=2", "engine.checkpoint_every_steps=2", "data.num_workers=1",
+              "engine.log_every_steps=1")
     finetune_dir = run_dir / f"finetune/digits_10pct_export_step{EXPORT_STEP:07d}"
     latest = finetune_dir / "checkpoints/latest"
 

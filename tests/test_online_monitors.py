@@ -62,6 +62,33 @@ def test_the_online_probe_learns_separable_classes_and_skips_unknown_labels():
     assert torch.equal(torch.rand(1), expected)
 
 
+def test_rankme_is_computed_only_when_read_and_the_probe_learns_without_being_read(digits, monkeypatch):
+    """A step that logs nothing computes no RankMe (an SVD; on a GPU a wait for the device) and reads nothing from the
+    device, yet the online probe learns at every step; read, the values are those of the step's features."""
+    from pretrain.config import load_config
+    from pretrain.methods import base, build_method
+    from pretrain.runtime.task import scalar_value
+
+    computed = []
+    monkeypatch.setattr(base, "rankme", lambda features: computed.append(features.shape) or rankme(features))
+    cfg = load_config(CONFIGS / "simclr_digits.yaml", [*TINY, f"data.train={digits / 'train.beton'}"])
+    method = build_method(cfg)
+    generator = torch.Generator().manual_seed(0)
+    features, labels = torch.randn(6, 2, 512, generator=generator), torch.tensor([0, 1, 2, 0, 1, -1])
+    probe = method.online_probe()
+    weight, bias = probe.linear.weight.detach().clone(), probe.linear.bias.detach().clone()
+    scalars = method.monitor_scalars(features, labels)
+    assert computed == []                                              # not computed: nothing has read it
+    top1 = scalars["monitor/online_linear_top1"]
+    assert isinstance(top1, torch.Tensor) and top1.dim() == 0          # not read back either
+    assert not torch.equal(probe.linear.weight, weight)                 # the probe learnt all the same
+    assert scalar_value(scalars["monitor/rankme"]) == pytest.approx(rankme(features[:, 0]))
+    assert computed == [torch.Size([6, 512])]
+    # its top-1 before the step, on both views of the 5 labelled images (the unlabelled one left out)
+    predicted = (features[:5].flatten(0, 1) @ weight.T + bias).argmax(dim=1)
+    assert scalar_value(top1) == pytest.approx((predicted == labels[:5].repeat_interleave(2)).float().mean().item())
+
+
 def probe_on_and_off(digits: Path) -> dict:
     """Per ZeRO stage: three AdamW steps, globally clipped at 0.5, of the same method with the online probe on and
     off; the largest parameter difference between the two, how far the probe moved, what it logged."""

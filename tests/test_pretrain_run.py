@@ -38,6 +38,23 @@ def logged_steps(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
+def test_a_run_logs_every_10_steps_and_its_last_by_default_with_the_values_of_those_steps(digits, tmp_path):
+    """engine.log_every_steps defaults to 10: the loss, the monitors and the selection's scalars are read from the
+    device on those steps and the last only (pretrain/runtime/task.py: Scalar), and are the logged step's own."""
+    run_dir = tmp_path / "run"
+    run(pretrain_command(run_dir, digits, "data.batch_size=16", "data.num_workers=1", "model.proj_hidden_dim=64",
+                         "model.proj_out_dim=32", "hvs.enabled=true", "engine.max_steps=12",
+                         "engine.image_grid_every_steps=0", tiny=False), timeout=180)
+    lines = logged(run_dir)
+    assert [line["step"] for line in lines] == [10, 12]
+    for line in lines:
+        assert math.isfinite(line["train/loss"]) and 1 <= line["monitor/rankme"] <= 16      # at most the batch
+        assert 0 <= line["monitor/online_linear_top1"] <= 1
+        assert line["hvs/selected_loss"] >= line["hvs/mean_pair_loss"] - 1e-6            # the hardest was chosen
+        assert 0 <= line["hvs/lowest_iou_chosen_frac"] <= 1
+
+
+@pytest.mark.slow
 def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_log_line(digits, tmp_path):
     # A stale build lock of DeepSpeed's CPU shared-memory op (a first start killed while building it) must
     # not hang the run: that op is never built.

@@ -303,7 +303,7 @@ def pretrain(run_dir: Path, data: Path, *overrides: str) -> subprocess.Completed
     command = [sys.executable, "-m", "pretrain", "--config", str(CONFIG), f"run_dir={run_dir}",
                f"data.train={data / 'train.beton'}", f"data.val={data / 'test.beton'}", *TINY,
                "hvs.enabled=true", "engine.checkpoint_every_steps=1", "engine.keep_checkpoints=10",
-               "method.momentum=0.9", "optim.warmup_epochs=0", "optim.lr=0.01", *overrides]
+               "engine.log_every_steps=1", "method.momentum=0.9", "optim.warmup_epochs=0", "optim.lr=0.01", *overrides]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]

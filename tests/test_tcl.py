@@ -336,7 +336,8 @@ def test_tiny_runs_log_figure3_quantities(digits, tmp_path, config, overrides):
     forked_runs.run("pretrain", [       # `python -m pretrain ...`, forked from a server that imported torch
         "--config", CONFIGS / config, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
         f"data.val={digits / 'val.beton'}", "data.batch_size=32", "data.num_workers=1", "model.proj_hidden_dim=64",
-        "model.proj_out_dim=32", "engine.max_steps=3", "engine.image_grid_every_steps=0", *overrides])
+        "model.proj_out_dim=32", "engine.max_steps=3", "engine.image_grid_every_steps=0", "engine.log_every_steps=1",
+        *overrides])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
     for line in lines:

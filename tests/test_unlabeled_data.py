@@ -15,7 +15,7 @@ from tests import forked_runs
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
 TINY = ["data.batch_size=32", "data.num_workers=1", "model.proj_hidden_dim=64", "model.proj_out_dim=32",
-        "engine.image_grid_every_steps=0", "engine.max_steps=3"]
+        "engine.image_grid_every_steps=0", "engine.max_steps=3", "engine.log_every_steps=1"]
 
 
 def write_pngs(folder: Path, images: np.ndarray, names: list[str]) -> list[Path]:

@@ -26,7 +26,7 @@ larger pool (`pretrain/hvs.py`), and the training step then runs on the chosen o
     batch_loss(engine, batch, position, autocast)   a ViewBatch -> (hard view selection) -> forward -> loss
     sample_loss(outputs, combination, labels) -> (B,)   per-sample loss of one combination
     candidate_losses(outputs, combinations, labels) -> (B, C)   all candidates (override to share work)
-    selection_scalars(outputs, combinations, pick) -> {name: float}   extra hvs/* scalars (DINO: teacher entropy)
+    selection_scalars(outputs, combinations, pick) -> {name: tensor}  extra hvs/* scalars (DINO: teacher entropy)
     loss(outputs, labels) -> scalar           the training loss on the chosen views
     param_groups() -> [dict, ...]             optimizer groups; flags: no_decay, fixed_lr, frozen_steps
     after_step(step)                          EMA teacher / queue updates, once per optimizer step
@@ -59,7 +59,7 @@ from pretrain.data.writer import classes_path
 from pretrain.hvs import select_hard_views
 from pretrain.online_monitors import OnlineLinearProbe, rankme
 from pretrain.runtime.config_error import ConfigError
-from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
+from pretrain.runtime.task import BatchLoss, BatchPosition, Scalar, TrainingTask
 
 
 class Method(TrainingTask):
@@ -121,12 +121,15 @@ class Method(TrainingTask):
                                          "hvs/selected": self.denormalise(selection.views[0][:shown])})
 
     # ==== online monitors (pretrain/online_monitors.py): on the training forward's backbone features ====
-    def monitor_scalars(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    def monitor_scalars(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, Scalar]:
         """monitor/rankme of the first view's features, and the online probe's top-1 on the first view group's
-        (features: (B, n_total, D) from `forward`'s "features"). The same keys on every process."""
-        scalars = {}
+        (features: (B, n_total, D) from `forward`'s "features"). The same keys on every process. The probe learns
+        at every step; RankMe (a singular value decomposition, which on a GPU also waits for the device) is
+        computed only on the steps that log it."""
+        scalars: dict[str, Scalar] = {}
         if self.cfg.monitor.rankme:
-            scalars["monitor/rankme"] = rankme(features[:, 0])
+            first_view = features[:, 0].detach()
+            scalars["monitor/rankme"] = lambda: rankme(first_view)
         probe = self.online_probe()
         if probe is not None:
             first_group = features[:, :self.train_counts[0]]
@@ -174,8 +177,9 @@ class Method(TrainingTask):
         return self.sample_loss(outputs, range(sum(self.train_counts)), labels).mean()
 
     def selection_scalars(self, outputs: dict[str, torch.Tensor], combinations: Sequence[Sequence[int]],
-                          pick: torch.Tensor) -> dict[str, float]:
-        """Method-specific hvs/* scalars of a selection (pick: (B,) the chosen candidate of every sample)."""
+                          pick: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Method-specific hvs/* scalars of a selection (pick: (B,) the chosen candidate of every sample), 0-d
+        tensors: reading one waits for the device, which the loop does only on the steps that log."""
         return {}
 
     def param_groups(self) -> list[dict]:

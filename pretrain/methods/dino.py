@@ -282,16 +282,17 @@ class DINO(Method):
         return combos[:, [a for a, _ in terms]], combos[:, [b for _, b in terms]]
 
     def selection_scalars(self, outputs: dict[str, torch.Tensor], combinations: Sequence[Sequence[int]],
-                          pick: torch.Tensor) -> dict[str, float]:
+                          pick: torch.Tensor) -> dict[str, torch.Tensor]:
         """The teacher entropy of the chosen candidate (the mean over its two globals) against the mean candidate:
-        scoring by the cross-entropy favours flat teachers (`dino_teacher_entropy`), which this shows."""
+        scoring by the cross-entropy favours flat teachers (`dino_teacher_entropy`), which this shows (0-d
+        tensors, read on the steps that log)."""
         teacher = outputs["teacher"]
         entropy = dino_teacher_entropy(teacher, self.center.to(teacher.device), self.teacher_temp())     # (B, T)
         globals_of = torch.as_tensor(combinations, device=teacher.device)[:, :NUM_GLOBAL_GROUPS]       # (C, 2)
         per_candidate = entropy[:, globals_of].mean(dim=-1)                                             # (B, C)
         rows = torch.arange(len(pick), device=pick.device)
-        return {"hvs/selected_teacher_entropy": per_candidate[rows, pick].mean().item(),
-                "hvs/mean_candidate_teacher_entropy": per_candidate.mean().item()}
+        return {"hvs/selected_teacher_entropy": per_candidate[rows, pick].mean(),
+                "hvs/mean_candidate_teacher_entropy": per_candidate.mean()}
 
     def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         loss = super().loss(outputs, labels)

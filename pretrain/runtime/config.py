@@ -61,7 +61,7 @@ class EngineConfig:
     checkpoint_every_steps: int = 0          # 0: at the end of every epoch only
     keep_checkpoints: int = 2
     keep_exports: int = 0                    # backbone exports kept, one per checkpoint (0: all, for `eval watch`)
-    log_every_steps: int = 1                 # scalars to TensorBoard / metrics.jsonl (HVS statistics every step)
+    log_every_steps: int = 10                # scalars to TensorBoard / metrics.jsonl (and the monitors computed)
     print_every_steps: int = 10              # progress line on the console
     image_grid_every_steps: int = 500        # 0 disables the grid of selected views
     max_steps: int = 0                       # stop after this many optimizer steps (0: the whole schedule)

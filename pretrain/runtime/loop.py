@@ -59,7 +59,7 @@ from pretrain.runtime.monitor import TrainingMonitor
 from pretrain.runtime.optim import Schedules, set_schedule_values
 from pretrain.runtime.run_lock import locked_run_directory
 from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config, uses_bf16
-from pretrain.runtime.task import BatchLoss, BatchPosition, TrainingTask
+from pretrain.runtime.task import BatchLoss, BatchPosition, Scalar, TrainingTask, scalar_value
 
 
 class TrainingClock:
@@ -199,7 +199,7 @@ def train_one_epoch(run: Run) -> None:
         for _ in range(run.batch_in_epoch // options.grad_accum, run.steps_per_epoch):
             set_schedule_values(run.optimizer, schedules.lr[run.step], schedules.weight_decay[run.step],
                                 schedules.peak_lr, run.step)
-            step_sums, result = optimizer_step(run, batches)       # grad_accum x (loss -> backward), step
+            step_values, result = optimizer_step(run, batches)     # grad_accum x (loss -> backward), step
             run.task.after_step(run.step)                          # EMA teacher, queues
             signum = agree_on_stop(run)                            # a signal on any process; the time budget
             last = run.step == run.stop_step or run.out_of_time
@@ -207,7 +207,7 @@ def train_one_epoch(run: Run) -> None:
             with run.clock.paused():                               # an evaluation is not training time
                 epoch_scalars = run.task.after_epoch(run.engine, run.epoch, run.step) if epoch_end or last else {}
 
-            log_step(run, step_sums, epoch_scalars, last)
+            log_step(run, step_values, epoch_scalars, last)
             log_image_grids(run, result)
             checkpoint_if_due(run, epoch_end, last)
             if last:                                               # the run is complete: a late signal changes nothing
@@ -343,12 +343,12 @@ def next_minute_mark(trained_seconds: float, mark_s: float) -> float:
     return (math.floor(trained_seconds / mark_s) + 1) * mark_s if mark_s else math.inf
 
 
-def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, float], BatchLoss]:
+def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, list[Scalar]], BatchLoss]:
     """One optimizer step: `train_step` on each of its grad_accum micro-batches (DeepSpeed steps the optimizer after
-    the last). Returns the sums of the micro-batches' logged values and the last one's result; a non-finite loss is
-    a divergence (raised, on every rank, before the step is applied)."""
+    the last). Returns the micro-batches' values to log, unread (`log_step` reads them on the steps that log), and
+    the last one's result; a non-finite loss is a divergence (raised, on every rank, before the step is applied)."""
     options = run.options
-    step_sums: dict[str, float] = {}
+    step_values: dict[str, list[Scalar]] = {}
     for _ in range(options.grad_accum):
         tick = time.perf_counter()
         batch = next(batches, None)
@@ -364,13 +364,13 @@ def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, float], 
                                             "applied", run.epoch) from None
         run.batch_in_epoch += 1
         run.window.images += batch.batch_size * run.world_size
-        for name, value in {"train/loss": result.loss.item(), **result.scalars}.items():
-            step_sums[name] = step_sums.get(name, 0.0) + value
+        for name, value in {"train/loss": result.loss, **result.scalars}.items():
+            step_values.setdefault(name, []).append(value)
     run.step += 1
     if run.engine.global_steps != run.step:
         raise RuntimeError(f"DeepSpeed took {run.engine.global_steps} optimizer steps where the loop counted "
                            f"{run.step}: gradient_accumulation_steps disagrees")
-    return step_sums, result
+    return step_values, result
 
 
 def agree_on_stop(run: Run) -> int | None:
@@ -382,16 +382,17 @@ def agree_on_stop(run: Run) -> int | None:
     return signum
 
 
-def log_step(run: Run, step_sums: dict[str, float], epoch_scalars: dict[str, float], last: bool) -> None:
+def log_step(run: Run, step_values: dict[str, list[Scalar]], epoch_scalars: dict[str, float], last: bool) -> None:
     """Every engine.log_every_steps, at the last step and with an epoch's scalars: the step's mean over its
     micro-batches and over the processes (one all-reduce), the schedules' values, the throughput since the last
-    logged step."""
+    logged step. The step's values are read here, on the steps that log, and only here."""
     options, step = run.options, run.step
     with record_function("hardview/logging"):
         if not (step % options.log_every_steps == 0 or last or epoch_scalars):
             return
         elapsed = time.perf_counter() - run.window.start
-        averaged = {**{name: total / options.grad_accum for name, total in step_sums.items()}, **run.task.scalars()}
+        averaged = {**{name: sum(map(scalar_value, values)) / options.grad_accum
+                       for name, values in step_values.items()}, **run.task.scalars()}
         values = torch.tensor(list(averaged.values()), device=run.device, dtype=torch.float32)
         dist.all_reduce(values)
         run.monitor.log(step, run.epoch, {**dict(zip(averaged, (values / run.world_size).tolist())),

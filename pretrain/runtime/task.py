@@ -41,14 +41,24 @@ class BatchPosition:
         return random.Random(f"{self.seed}-{self.rank}-{self.epoch}-{self.batch}")
 
 
+# A value to log: a number, a 0-d tensor (read only on the steps that log: reading a GPU tensor waits for the
+# device, which a step that logs nothing must not), or a callable computing it (called only on those steps).
+Scalar = float | torch.Tensor | Callable[[], float]
+
+
+def scalar_value(value: Scalar) -> float:
+    """The number a logged step writes for `value`."""
+    return float(value() if callable(value) else value)
+
+
 @dataclass
 class BatchLoss:
     """The loss of one micro-batch (a scalar the loop backpropagates), the values to log (averaged over the
-    step's micro-batches and the processes), and, optionally, images to show: a callable returning
-    {tag: (rows, cols, C, H, W) in [0, 1]}, called only on steps that log images."""
+    step's micro-batches and the processes, on the steps that log: see `Scalar`), and, optionally, images to
+    show: a callable returning {tag: (rows, cols, C, H, W) in [0, 1]}, called only on steps that log images."""
 
     loss: torch.Tensor
-    scalars: dict[str, float] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
     images: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
