@@ -38,15 +38,17 @@ def logged_steps(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_run_logs_every_10_steps_and_its_last_by_default_with_the_values_of_those_steps(digits, tmp_path):
-    """engine.log_every_steps defaults to 10: the loss, the monitors and the selection's scalars are read from the
-    device on those steps and the last only (pretrain/runtime/task.py: Scalar), and are the logged step's own."""
+def test_a_run_logs_every_10_steps_its_checkpoints_and_its_last_by_default_with_the_values_of_those_steps(
+        digits, tmp_path):
+    """engine.log_every_steps defaults to 10; a checkpoint's step is logged too (an export's minutes of training are
+    its own). The loss, the monitors and the selection's scalars are read from the device on those steps only
+    (pretrain/runtime/task.py: Scalar), and are the logged step's own."""
     run_dir = tmp_path / "run"
     run(pretrain_command(run_dir, digits, "data.batch_size=16", "data.num_workers=1", "model.proj_hidden_dim=64",
                          "model.proj_out_dim=32", "hvs.enabled=true", "engine.max_steps=12",
-                         "engine.image_grid_every_steps=0", tiny=False), timeout=180)
+                         "engine.checkpoint_every_steps=7", "engine.image_grid_every_steps=0", tiny=False), timeout=180)
     lines = logged(run_dir)
-    assert [line["step"] for line in lines] == [10, 12]
+    assert [line["step"] for line in lines] == [7, 10, 12]
     for line in lines:
         assert math.isfinite(line["train/loss"]) and 1 <= line["monitor/rankme"] <= 16      # at most the batch
         assert 0 <= line["monitor/online_linear_top1"] <= 1

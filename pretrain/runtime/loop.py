@@ -7,7 +7,8 @@
                                            [finite on every rank?] -> backward -> [last micro-batch: gradient
                                            edits] -> engine.step)
         task.after_step -> agree_on_stop -> [epoch end: task.after_epoch]
-        log_step, log_image_grids -> checkpoint_if_due (+ task.write_export) -> [stop signal: stop_on_signal]
+        log_step, log_image_grids -> [checkpoint_due: save_checkpoint (+ task.write_export)] -> [stop signal:
+                                           stop_on_signal]
 
 A stage (pretrain/pretraining.py, transfer/finetune/stage.py, transfer/detection/stage.py) describes its run as a
 `Stage` (pretrain/runtime/stage.py): its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the
@@ -207,9 +208,11 @@ def train_one_epoch(run: Run) -> None:
             with run.clock.paused():                               # an evaluation is not training time
                 epoch_scalars = run.task.after_epoch(run.engine, run.epoch, run.step) if epoch_end or last else {}
 
-            log_step(run, step_values, epoch_scalars, last)
+            checkpoint = checkpoint_due(run, epoch_end, last)
+            log_step(run, step_values, epoch_scalars, last or checkpoint)     # a checkpoint's step is logged
             log_image_grids(run, result)
-            checkpoint_if_due(run, epoch_end, last)
+            if checkpoint:
+                save_checkpoint(run)
             if last:                                               # the run is complete: a late signal changes nothing
                 return
             if signum:
@@ -382,13 +385,14 @@ def agree_on_stop(run: Run) -> int | None:
     return signum
 
 
-def log_step(run: Run, step_values: dict[str, list[Scalar]], epoch_scalars: dict[str, float], last: bool) -> None:
-    """Every engine.log_every_steps, at the last step and with an epoch's scalars: the step's mean over its
+def log_step(run: Run, step_values: dict[str, list[Scalar]], epoch_scalars: dict[str, float], due: bool) -> None:
+    """Every engine.log_every_steps, when `due` (the last step, a checkpoint's) and with an epoch's scalars: the
+    step's mean over its
     micro-batches and over the processes (one all-reduce), the schedules' values, the throughput since the last
     logged step. The step's values are read here, on the steps that log, and only here."""
     options, step = run.options, run.step
     with record_function("hardview/logging"):
-        if not (step % options.log_every_steps == 0 or last or epoch_scalars):
+        if not (step % options.log_every_steps == 0 or due or epoch_scalars):
             return
         elapsed = time.perf_counter() - run.window.start
         averaged = {**{name: sum(map(scalar_value, values)) / options.grad_accum
@@ -417,16 +421,19 @@ def log_image_grids(run: Run, result: BatchLoss) -> None:
             run.monitor.log_images(run.step, tag, grid)
 
 
-def checkpoint_if_due(run: Run, epoch_end: bool, last: bool) -> None:
-    """A checkpoint (and the task's export) every engine.checkpoint_every_steps, at epoch ends unless minute marks
-    replace them, at the first step past each minute mark (engine.checkpoint_every_minutes), and at the last step.
-    Its writing is not training time."""
+def checkpoint_due(run: Run, epoch_end: bool, last: bool) -> bool:
+    """Whether this step checkpoints: every engine.checkpoint_every_steps, at epoch ends unless minute marks replace
+    them, at the first step past each minute mark (engine.checkpoint_every_minutes), and at the last step."""
     every = run.options.checkpoint_every_steps
-    at_mark = run.trained_seconds >= run.next_mark_s
-    if (every and run.step % every == 0) or (epoch_end and not run.mark_s) or last or at_mark:
-        with record_function("hardview/checkpoint"), run.clock.paused():
-            run.checkpointer.save(run.epoch, run.batch_in_epoch, run.trained_seconds)
-    if at_mark:
+    return bool((every and run.step % every == 0) or (epoch_end and not run.mark_s) or last
+                or run.trained_seconds >= run.next_mark_s)
+
+
+def save_checkpoint(run: Run) -> None:
+    """A checkpoint and the task's export; its writing is not training time. Past a minute mark, the next one."""
+    with record_function("hardview/checkpoint"), run.clock.paused():
+        run.checkpointer.save(run.epoch, run.batch_in_epoch, run.trained_seconds)
+    if run.trained_seconds >= run.next_mark_s:
         run.next_mark_s = next_minute_mark(run.trained_seconds, run.mark_s)
 
 
