@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slurm         # starts a real Slurm cluster on this mac
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
 TINY = ["data.batch_size=32", "data.num_workers=1", "model.proj_hidden_dim=64", "model.proj_out_dim=32",
-        "engine.image_grid_every_steps=0"]
+        "engine.image_grid_every_steps=0", "engine.log_every_steps=1"]   # the tests count every step's line
 SLURM = ["--cluster", "slurm", "--cpus-per-task", "1"]
 
 

@@ -387,9 +387,8 @@ def agree_on_stop(run: Run) -> int | None:
 
 def log_step(run: Run, step_values: dict[str, list[Scalar]], epoch_scalars: dict[str, float], due: bool) -> None:
     """Every engine.log_every_steps, when `due` (the last step, a checkpoint's) and with an epoch's scalars: the
-    step's mean over its
-    micro-batches and over the processes (one all-reduce), the schedules' values, the throughput since the last
-    logged step. The step's values are read here, on the steps that log, and only here."""
+    step's mean over its micro-batches and over the processes (one all-reduce), the schedules' values, the
+    throughput since the last logged step. The step's values are read here, on the steps that log, and only here."""
     options, step = run.options, run.step
     with record_function("hardview/logging"):
         if not (step % options.log_every_steps == 0 or due or epoch_scalars):
