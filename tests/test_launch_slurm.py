@@ -152,7 +152,8 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
     [watcher] = submitted(launch("eval-watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "1",
                                  *SLURM, "--time", "1", "--signal-delay-s", "5").stdout)
     [finetuning] = submitted(launch("finetune", "--run", str(finetuned), "--config", str(FINETUNE_CONFIG),
-                                    "optim.epochs=6", "engine.print_every_steps=1", *SLURM, "--time", "2",
+                                    "optim.epochs=6", "engine.print_every_steps=1", "engine.log_every_steps=1",
+                                    *SLURM, "--time", "2",
                                     "--signal-delay-s", "5", "--max-requeues", "3").stdout)
     finetune_metrics = lambda: [json.loads(line) for path in finetuned.glob("finetune/*/metrics.jsonl")  # noqa: E731
                                 for line in path.read_text().splitlines()]
