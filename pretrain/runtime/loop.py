@@ -209,7 +209,7 @@ def train_one_epoch(run: Run) -> None:
                 epoch_scalars = run.task.after_epoch(run.engine, run.epoch, run.step) if epoch_end or last else {}
 
             checkpoint = checkpoint_due(run, epoch_end, last)
-            log_step(run, step_values, epoch_scalars, last or checkpoint)     # a checkpoint's step is logged
+            log_step(run, step_values, epoch_scalars, checkpoint)     # a checkpoint's step (the last's too) is logged
             log_image_grids(run, result)
             if checkpoint:
                 save_checkpoint(run)
@@ -386,7 +386,7 @@ def agree_on_stop(run: Run) -> int | None:
 
 
 def log_step(run: Run, step_values: dict[str, list[Scalar]], epoch_scalars: dict[str, float], due: bool) -> None:
-    """Every engine.log_every_steps, when `due` (the last step, a checkpoint's) and with an epoch's scalars: the
+    """Every engine.log_every_steps, when `due` (a checkpoint's step, the last one's) and with an epoch's scalars: the
     step's mean over its micro-batches and over the processes (one all-reduce), the schedules' values, the
     throughput since the last logged step. The step's values are read here, on the steps that log, and only here."""
     options, step = run.options, run.step
