@@ -16,6 +16,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.config import load_config
+from pretrain.runtime.graceful_stop import GracefulStop
 from tests.conftest import wait_for
 from tests.run_helpers import ROOT, hand_computed_lr, kill_process_tree, logged, run, start
 
@@ -304,6 +305,18 @@ def test_a_second_signal_exits_at_once():
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     assert f"requested {int(signal.SIGTERM)}" in result.stdout and "still running" not in result.stdout
     assert "SIGTERM again: exiting now" in result.stderr
+
+def test_one_process_agrees_on_the_stop_without_touching_the_device():
+    """The per-step agreement of a single process reads its own values: a tensor on the `meta` device (which
+    cannot be read back) would raise, as a GPU tensor read back would wait for the queued kernels."""
+    stop = GracefulStop()
+    try:
+        assert stop.agree(torch.device("meta"), 12.5) == (None, 12.5)
+        stop.signum = signal.SIGUSR2
+        assert stop.agree(torch.device("meta"), 13.0) == (signal.SIGUSR2, 13.0)
+    finally:
+        stop.restore()
+
 
 
 @pytest.mark.parametrize("warning", [signal.SIGUSR2, signal.SIGUSR1])

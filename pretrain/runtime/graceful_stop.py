@@ -76,10 +76,13 @@ class GracefulStop:
         """The signal number if any process received a stop signal, and the largest of the processes'
         `trained_seconds` (their training clocks differ by milliseconds): one all-reduce, so that every process
         stops on a signal or at the time budget, and checkpoints at a minute mark, after the same step (a
-        collective: call it on every rank)."""
+        collective: call it on every rank). A single process has nothing to agree with: it reads its own values and
+        touches no device (on a GPU, a tensor sent there and read back would wait for every queued kernel, once a
+        step)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.signum, trained_seconds
         flags = torch.tensor([float(self.signum or 0), trained_seconds], device=device, dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signum, seconds = flags.tolist()
         return int(signum) or None, seconds
 

@@ -377,8 +377,8 @@ def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, list[Sca
 
 
 def agree_on_stop(run: Run) -> int | None:
-    """One all-reduce: a stop signal on any process (its number), and the training clock every process stops and
-    checkpoints by (`run.trained_seconds`, `run.out_of_time`)."""
+    """One all-reduce (none on one process): a stop signal on any process (its number), and the training clock every
+    process stops and checkpoints by (`run.trained_seconds`, `run.out_of_time`)."""
     with record_function("hardview/stop_signal_check"):
         signum, run.trained_seconds = run.stop.agree(run.device, run.clock.seconds())
     run.out_of_time = run.budget_s > 0 and run.trained_seconds >= run.budget_s
