@@ -14,6 +14,7 @@ from pretrain.data.augment import (augment_views, canvas_to_device, check_view_g
                                    crop_resize_flip_one_by_one, gaussian_blur, gaussian_blur_)
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
+from pretrain.runtime.memory_reuse import advise_huge_pages
 
 ROOT = Path(__file__).parents[1]
 # `augment_views(*reference_inputs(), torch.Generator().manual_seed(0))` with pretrain/data/augment.py of commit
@@ -88,6 +89,45 @@ def test_each_large_view_is_its_own_antialiased_resize_of_the_rounded_crop(inter
         resized = F.interpolate(crop, size=(40, 40), mode=interpolation, antialias=True, align_corners=False)[0]
         expected = (resized.flip(-1) if flip[k] else resized).float() * (1 / 255)
         assert torch.allclose(views[k], expected, atol=1e-7)
+
+
+def test_the_large_views_are_drawn_in_one_thread_and_the_process_threads_are_given_back(monkeypatch):
+    """The one-by-one loop runs with one intra-op thread (its small ops each woke OpenMP's team); the batch-wide
+    operations around it, and the process after it, keep the threads they had. The views do not depend on it."""
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return crop_resize_flip_one_by_one(*args, **kwargs)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected, _ = augment_views(*reference_inputs(), torch.Generator().manual_seed(0))
+        monkeypatch.setattr("pretrain.data.augment.crop_resize_flip_one_by_one", recording)
+        views, _ = augment_views(*reference_inputs(), torch.Generator().manual_seed(0))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(got, want) for got, want in zip(views, expected))
+
+
+def test_a_large_view_batch_is_advised_onto_huge_pages():
+    """The kernel records the advice on the batch's memory (`hg` in /proc/self/smaps' VmFlags) where it has
+    transparent huge pages; elsewhere the advice is refused and the tensor is returned all the same."""
+    batch = torch.empty(16, 3, 224, 224)                                  # 9.6 MB: at least 3 whole 2 MB pages
+    assert advise_huge_pages(batch) is batch
+    if not Path("/sys/kernel/mm/transparent_hugepage").is_dir():
+        return
+    first_whole_page = -(-batch.data_ptr() // (2 << 20)) * (2 << 20)
+    flags, inside = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split()[0] and ":" not in line.split()[0]:
+            low, high = (int(bound, 16) for bound in line.split()[0].split("-"))
+            inside = low <= first_whole_page < high
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+    assert flags is not None and "hg" in flags, flags
 
 
 @pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])

@@ -21,7 +21,10 @@ training device:
    crop box is then rounded to whole canvas pixels (the recorded box stays exact: < 1 canvas pixel apart).
    The large views land in one channel-first float batch, the layout the model reads, each coloured (step 3)
    and clamped as it is written, while it is in the cache; every later step works on the batch in place or on
-   the chosen views only: no concatenation, no layout copy, no second batch. The small views (the
+   the chosen views only: no concatenation, no layout copy, no second batch. That loop runs in one thread: a
+   view's operations are too small to share, and each of them woke OpenMP's sleeping team (224 px views, 2
+   threads against 1 on the 2-core machine: 2.5x the CPU time, and no faster); its batch is fresh memory on huge
+   pages (`pretrain/runtime/memory_reuse.py: advise_huge_pages`). The small views (the
    digits runs') keep the arithmetic their results were measured with: colour on channels-last pixels, one
    copy to channel-first, the blur as a convolution; the same values to float32 rounding, not bit for bit.
 3. Colour jitter with probability `jitter_p` in a FIXED order brightness -> contrast -> saturation -> hue
@@ -48,6 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.data.views import ViewGroup
+from pretrain.runtime.cpu_threads import one_thread_on_cpu
+from pretrain.runtime.memory_reuse import advise_huge_pages
 
 # ITU-R 601 luma weights, the ones torchvision's rgb_to_grayscale uses.
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
@@ -195,7 +200,7 @@ def crop_resize_flip_one_by_one(canvas: torch.Tensor, boxes: torch.Tensor, views
     planes = canvas.permute(0, 3, 1, 2)                    # (B, 3, H, W) with channels-last memory, no copy
     heights, widths = view_extents(canvas, extent, views_per_image).unbind(1)
     pixels = (boxes.to(torch.float64) * torch.stack([widths, heights, widths, heights], dim=1)).round().long()
-    views = torch.empty(boxes.shape[0], 3, size, size)
+    views = advise_huge_pages(torch.empty(boxes.shape[0], 3, size, size))     # written in full below
     saturate = interpolation == "bicubic" and canvas.dtype != torch.uint8   # a uint8 resize saturates by itself
     if colour is not None:
         matrix, mean_coefficient, luma = colour
@@ -412,8 +417,12 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
     # copied to channel-first.
     one_by_one = canvas.device.type == "cpu" and size >= PER_VIEW_MIN_SIZE
     if one_by_one:
-        views = crop_resize_flip_one_by_one(canvas, boxes, n, size, flip, pixel_scale, extent, group.interpolation,
-                                            (matrix, mean_coefficient, luma) if coloured else None)
+        # One thread: each view's ops are too small to share (module docstring); the whole batch's ops below keep
+        # the process's threads.
+        with one_thread_on_cpu(canvas.device):
+            views = crop_resize_flip_one_by_one(canvas, boxes, n, size, flip, pixel_scale, extent,
+                                                group.interpolation,
+                                                (matrix, mean_coefficient, luma) if coloured else None)
         if not coloured:
             views.clamp_(0, 1)
     else:
