@@ -39,7 +39,8 @@ DIR/rows/NAME_seedS:
 Started again with the same command, a finished (row, seed) is read back, one whose job still runs is waited
 for, and one that was killed is submitted again and resumes from its checkpoint: the training loop keeps its
 clock in the checkpoint, so a resumed row trains the rest of its minutes. DIR/benchmark.json keeps the rows;
-a row of the same name with other settings is refused (its runs would mean something else).
+a row of the same name with other settings is refused once one of its runs has started (they would mean something
+else).
 
 Written to DIR: table.md (also printed), table.json (every run's points, the rows' curves and finals, the machine
 state) and curves.png (k-NN and linear against minutes of training, one line per row: the mean over seeds, the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -213,12 +214,15 @@ def load_benchmark(path: str) -> list[Row]:
 
 def check_same_benchmark(out_dir: Path, rows: list[Row]) -> None:
     """A benchmark directory holds one benchmark's runs: a row found again under its name must have the settings it
-    ran with (new rows and new seeds are welcome); only then is DIR/benchmark.json written."""
+    ran with (new rows and new seeds are welcome; a row none of whose runs has started yet may change, e.g. its
+    epochs sized anew); only then is DIR/benchmark.json written."""
     saved_path = out_dir / "benchmark.json"
     saved = json.loads(saved_path.read_text())["rows"] if saved_path.is_file() else {}
+    started = {entry.name for entry in (out_dir / "rows").iterdir()} if (out_dir / "rows").is_dir() else set()
     for row in rows:
         before = saved.get(row.name)
-        if before is not None and before != json.loads(json.dumps(row.settings())):
+        has_runs = any(re.fullmatch(re.escape(row.name) + r"_seed\d+", name) for name in started)
+        if before is not None and has_runs and before != json.loads(json.dumps(row.settings())):
             changed = [key for key in row.settings() if before.get(key) != json.loads(json.dumps(row.settings()[key]))]
             raise LaunchError(f"{out_dir} holds row {row.name} with other settings ({', '.join(changed)}: "
                               f"{', '.join(repr(before.get(key)) for key in changed)} there): pass another --out-dir, "

@@ -151,10 +151,15 @@ def test_a_bad_file_or_reference_is_refused_and_the_command_writes_nothing(tmp_p
 
 
 def test_a_row_found_again_with_other_settings_is_refused_and_new_seeds_are_welcome(tmp_path):
+    """Refused once one of the row's runs exists (its runs would mean something else); until then, and for a row
+    whose name merely begins like it, the settings may change."""
     row = Row(name="simclr", label="SimCLR", kind="pretrain", config=CONFIG, minutes=1.0, marks=6)
     check_same_benchmark(tmp_path, [row])
     check_same_benchmark(tmp_path, [Row(**{**row.__dict__, "seeds": (0, 1, 2)})])
-    with pytest.raises(LaunchError, match=r"holds row simclr with other settings \(minutes: 1.0 there\)"):
+    (tmp_path / "rows" / "simclr_hvs_seed0").mkdir(parents=True)         # another row's run
+    check_same_benchmark(tmp_path, [Row(**{**row.__dict__, "minutes": 1.5})])     # not started: sized anew
+    (tmp_path / "rows" / "simclr_seed1").mkdir()
+    with pytest.raises(LaunchError, match=r"holds row simclr with other settings \(minutes: 1.5 there\)"):
         check_same_benchmark(tmp_path, [Row(**{**row.__dict__, "minutes": 2.0})])
 
 
