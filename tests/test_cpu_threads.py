@@ -44,23 +44,25 @@ def test_a_training_process_computes_with_its_share_unless_told(monkeypatch):
 
 
 def test_every_command_sets_openmp_to_sleep_at_barriers_before_torch_loads():
-    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: each package sets it first (passive: a thread
-    waiting for a partner whose core is taken sleeps instead of spinning), and a value the user set is kept."""
+    """libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when torch loads it: each package sets them first
+    (passive after 1000 spins: a thread waiting for a partner whose core is taken soon sleeps instead of spinning),
+    and a value the user set is kept."""
     script = ("import os, sys\n"
               "class SeeTorchLoad:                  # the policy at the moment torch is first imported\n"
               "    def find_spec(self, name, path, target=None):\n"
               "        if name == 'torch':\n"
-              "            print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+              "            print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'),\n"
+              "                  'torch' in sys.modules)\n"
               "sys.meta_path.insert(0, SeeTorchLoad())\n"
               "import {package}\n")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     for package in ("eval.__main__", "transfer", "launch"):       # each imports pretrain first
         result = subprocess.run([sys.executable, "-c", script.format(package=package)], cwd=ROOT, env=env,
                                 capture_output=True, text=True, check=True)
-        assert result.stdout.split()[:2] == ["PASSIVE", "False"], (package, result.stdout)
+        assert result.stdout.split()[:3] == ["PASSIVE", "1000", "False"], (package, result.stdout)
     kept = subprocess.run([sys.executable, "-c", script.format(package="eval")], cwd=ROOT, capture_output=True,
-                          text=True, check=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
-    assert kept.stdout.split()[0] == "ACTIVE"
+                          text=True, check=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "5"})
+    assert kept.stdout.split()[:2] == ["ACTIVE", "5"]
 
 
 def test_the_ffcv_loader_leaves_torch_threads_as_the_training_set_them(digits):

@@ -202,9 +202,12 @@ def run_case(args: argparse.Namespace) -> dict:
     return {"seconds": seconds}
 
 
-# OpenMP's wait policy of the contention table's processes: this project's (pretrain/__init__.py) and libgomp's own
-# default (spin, then sleep), which an empty value gives (libgomp warns and ignores it; the project keeps a set value).
-WAIT_POLICIES = {"passive": "PASSIVE", "libgomp default": ""}
+# OpenMP's waiting in the contention table's processes: this project's (pretrain/__init__.py: sleep after 1000 spins),
+# sleeping at once, and libgomp's own default (spin about 3 ms, then sleep), which empty values give (libgomp warns
+# and ignores them; the project keeps a value that is set).
+WAIT_POLICIES = {"passive, 1000 spins": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"},
+                 "passive, no spin": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
+                 "libgomp default": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""}}
 
 
 def timed_in_a_process(case: dict, processes: int = 1, environ: dict | None = None) -> list[float]:
@@ -331,7 +334,8 @@ def two_processes(case, args, data: Path) -> dict:
 
 def contention(case, args, data: Path) -> list[dict]:
     """The project's step alone and beside K busy processes (`while True: pass`), against the fair share, with
-    OpenMP's threads sleeping at barriers (this project's setting) and spinning first (libgomp's default)."""
+    OpenMP's threads sleeping at barriers after 1000 spins (this project's setting), at once, and after libgomp's
+    default spin."""
     # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
@@ -344,7 +348,7 @@ def contention(case, args, data: Path) -> list[dict]:
         for k in (0, *args.busy):
             others = busy_processes(k)
             try:
-                seconds = timed_in_a_process(common, environ={"OMP_WAIT_POLICY": value})
+                seconds = timed_in_a_process(common, environ=value)
             finally:
                 for process in others:
                     process.kill()
@@ -382,7 +386,7 @@ def print_tables(result: dict) -> None:
           f"images/s, 2 processes (gloo) {two['two_processes_images_per_s']:.1f} images/s")
     print("\nbeside K busy processes: images/s against the fair share (idle / (K + 1)); goal >= 0.8")
     for row in result["contention"]:
-        print(f"  OpenMP {row['wait_policy']:<16} K={row['busy_processes']}: {row['images_per_s']:8.1f} images/s, "
+        print(f"  OpenMP {row['wait_policy']:<20} K={row['busy_processes']}: {row['images_per_s']:8.1f} images/s, "
               f"fair share {row['fair_share']:8.1f}, {row['of_fair_share']:.2f} of it")
 
 
