@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from eval.features import extract_features, resolve_beton_path, resolve_device
+from eval.features import evaluation_image_size, extract_features, resolve_beton_path, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
 from eval.results import RESULTS_DIR, check_writable, write_result
@@ -31,11 +31,16 @@ HELP = "raw pixels and the random-init backbone on a config's data (k-NN and lin
 KNN_K, KNN_TEMPERATURE = 20, 0.07
 
 
+def config_evaluation_size(cfg: DictConfig) -> int:
+    """The evaluation side a run of `cfg` is scored at (`eval.features.evaluation_image_size`)."""
+    return evaluation_image_size(OmegaConf.to_container(cfg, resolve=True))
+
+
 def evaluate_encoder(encode: Callable[[torch.Tensor], torch.Tensor], cfg: DictConfig, device: torch.device,
                      train: str | Path, val: str | Path, image_size: int | None = None) -> dict[str, float]:
     """k-NN (k=20, T=0.07) and linear-probe top-1 of `encode`, trained on `train`, scored on `val`, on images of
-    `image_size` px (default: the config's first view size) preprocessed as the config's evaluation does."""
-    size = image_size or cfg.data.views[0].size
+    `image_size` px (default: the config's evaluation side) preprocessed as the config's evaluation does."""
+    size = image_size or config_evaluation_size(cfg)
 
     def features(path):
         loader = build_image_loader(path, size, 256, device=device, mean=tuple(cfg.data.mean),
@@ -63,7 +68,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out-dir", type=Path,
                         help="where the result goes (default: runs/baselines_NAME, NAME the config's name)")
     parser.add_argument("--image-size", type=positive_int, metavar="PIXELS",
-                        help="evaluation image side (default: data.views[0].size of the config)")
+                        help="evaluation image side (default: data.eval_image_size of the config, else "
+                             "data.views[0].size)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the config")
 
@@ -83,10 +89,10 @@ def run(args) -> int:
     train, val = (resolve_beton_path(None, {"data": {split: cfg.data[split]}}, split, f"data.{split}={{}}")
                   for split in ("train", "val"))         # before any work: a config's paths are relative to here
     started = time.time()
+    size = args.image_size or config_evaluation_size(cfg)
     encoders = {"raw_pixels": lambda x: x.flatten(1), "random_init": random_init_backbone(cfg).to(device)}
-    table = {name: evaluate_encoder(encode, cfg, device, train, val, args.image_size)
-             for name, encode in encoders.items()}
-    result = {**table, "image_size": args.image_size or cfg.data.views[0].size, "arch": cfg.model.arch,
+    table = {name: evaluate_encoder(encode, cfg, device, train, val, size) for name, encode in encoders.items()}
+    result = {**table, "image_size": size, "arch": cfg.model.arch,
               "seed": cfg.seed, "train": str(train), "val": str(val),
               "knn": {"k": KNN_K, "temperature": KNN_TEMPERATURE}, "seconds": round(time.time() - started, 1)}
     path = write_result(out_dir, "baselines", 0, result,

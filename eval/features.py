@@ -130,7 +130,7 @@ def load_backbone_export(path: str | Path, image_size: int | None = None) -> Bac
     """Load `backbone.pth`, rebuild its backbone and load the weights strictly.
 
     image_size: input side for ViTs (their position embedding depends on it); defaults to the size of the
-      first training view in the saved config.
+      first training view in the saved config (`trained_image_size`).
     Raises `EvaluationInputError` for a file that is not an export, an unknown architecture or stem, or
     weights that do not fit the architecture.
     """
@@ -152,7 +152,7 @@ def load_backbone_export(path: str | Path, image_size: int | None = None) -> Bac
     arch = export["arch"]
     stem = export.get("stem") or config.get("model", {}).get("stem", "imagenet")
     if image_size is None:
-        image_size = evaluation_image_size(config)
+        image_size = trained_image_size(config)
     try:
         backbone = create_backbone(arch, stem, image_size)
     except ValueError as error:
@@ -214,12 +214,19 @@ def evaluation_crop_fraction(config: dict[str, Any]) -> float:
     return float(config.get("data", {}).get("eval_crop_fraction", 0.875))
 
 
-def evaluation_image_size(config: dict[str, Any]) -> int | None:
-    """The evaluation image side: the size of the first training view group (None if the config has none)."""
+def trained_image_size(config: dict[str, Any]) -> int | None:
+    """The side of the first training view group (None if the config has none): what a ViT's position embedding
+    was built for."""
     views = config.get("data", {}).get("views") or []
     if views and isinstance(views[0], dict) and "size" in views[0]:
         return int(views[0]["size"])
     return None
+
+
+def evaluation_image_size(config: dict[str, Any]) -> int | None:
+    """The evaluation image side: data.eval_image_size when set (> 0), else the first training view group's size
+    (None if the config has neither)."""
+    return int(config.get("data", {}).get("eval_image_size") or 0) or trained_image_size(config)
 
 
 def resolve_beton_path(override: str | Path | None, config: dict[str, Any], split: str,

@@ -164,7 +164,8 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val", metavar="BETON",
                         help="validation .beton (default: data.val of the export's config)")
     parser.add_argument("--image-size", type=positive_int, metavar="PIXELS",
-                        help="evaluation image side (default: data.views[0].size of the export's config)")
+                        help="evaluation image side (default: data.eval_image_size of the export's config, else "
+                             "its data.views[0].size)")
     parser.add_argument("--crop-fraction", type=number(float, above=0, at_most=1), metavar="F",
                         help="centre crop side over the resized shorter side, in (0, 1]: 0.875 resizes to 256 and "
                              "crops 224; 1.0 keeps the whole of a square image (default: data.eval_crop_fraction of "

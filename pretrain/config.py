@@ -41,6 +41,10 @@ class DataConfig:
     # then a centre crop of `size` px (0.875: the standard 256 -> 224). 1.0 keeps the whole of a square image
     # (the digits, CIFAR-sized folders).
     eval_crop_fraction: float = 0.875
+    # The evaluation's image side in pixels; 0: the first view group's size. A network trained on random-resized
+    # crops sees objects larger than in a whole image of the same side, so it may score better at a larger side
+    # (Touvron et al. 2019, "Fixing the train-test resolution discrepancy").
+    eval_image_size: int = 0
     # Which images form a batch: uniform (a permutation), or the class-aware p_random / group designs of
     # paper 001 (pretrain/data/batch_designs.py).
     batch_design: BatchDesign = field(default_factory=BatchDesign)
@@ -113,6 +117,7 @@ NUMBER_RANGES = (
     ("data.batch_size", ">=", 1, "images per process"),
     ("data.num_workers", ">=", 0, "loader worker processes"),
     ("data.canvas_size", ">=", 0, "pixels, or 0 for the decoded image itself"),
+    ("data.eval_image_size", ">=", 0, "pixels, or 0 for the first view group's size"),
     *RUNTIME_RANGES,
     ("hvs.selection_size", ">=", 1, "pixels"),
     ("monitor.online_probe_lr", ">", 0, "the online probe's Adam lr"),

@@ -366,6 +366,33 @@ def test_cli_knn_end_to_end_on_digits(digits, tmp_path):
         assert scalars[f"eval/knn_top1_k{k}"] == [(40, pytest.approx(result["top1"][str(k)]))]
 
 
+def test_an_export_whose_config_sets_an_evaluation_side_is_scored_at_it(digits, tmp_path):
+    """data.eval_image_size: the evaluation's side (here 24 px against the views' 32), what `eval knn` scores at by
+    default; the backbone is still rebuilt for the views' side (a ViT's position embedding)."""
+    from eval.features import evaluation_image_size, trained_image_size
+    from pretrain.data.loader import build_image_loader
+
+    run = tmp_path / "run"
+    path = write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=digits / "train.beton",
+                        val=digits / "val.beton", step=40)
+    export = torch.load(path, weights_only=True)
+    export["config"]["data"]["eval_image_size"] = 24
+    torch.save(export, path)
+    assert (evaluation_image_size(export["config"]), trained_image_size(export["config"])) == (24, 32)
+    finished = run_module("eval", "knn", "--run", str(run), "--device", "cpu", "--num-workers", "1", "--ks", "20")
+    assert finished.returncode == 0, finished.stderr
+    result = json.loads((run / "eval" / "knn_step0000040.json").read_text())
+
+    def features(split, side):
+        loader = build_image_loader(digits / f"{split}.beton", side, 256, mean=[0.5] * 3, std=[0.25] * 3,
+                                    num_workers=1, crop_fraction=0.875)
+        return extract_features(RESNET18_SMALL.eval(), loader, "cpu")
+
+    at_24 = weighted_knn(*features("train", 24), *features("val", 24), ks=(20,))[20]
+    assert result["top1"]["20"] == pytest.approx(at_24, abs=1e-9)
+    assert at_24 != weighted_knn(*features("train", 32), *features("val", 32), ks=(20,))[20]     # not the views' side
+
+
 @pytest.mark.slow
 def test_baselines_reproduce_the_demos_anchor_rows_and_write_one_result(digits, tmp_path):
     """`python -m eval baselines` on the digits config: raw pixels and the random-init ResNet-18, by k-NN and the

@@ -6,7 +6,7 @@ import torch
 from timm.models import group_parameters
 from torch import nn
 
-from eval.features import BackboneExport, evaluation_image_size
+from eval.features import BackboneExport, trained_image_size
 from pretrain.models import create_backbone
 
 STARTS = ("export", "random")
@@ -40,7 +40,7 @@ def build_classifier(export: BackboneExport, start: str, num_classes: int, *, dr
         raise ValueError(f"start={start!r} is not one of {STARTS}")
     torch.manual_seed(seed)
     zero_init_residual = bool(export.config.get("model", {}).get("zero_init_residual", False))
-    backbone = create_backbone(export.arch, export.stem, evaluation_image_size(export.config), zero_init_residual,
+    backbone = create_backbone(export.arch, export.stem, trained_image_size(export.config), zero_init_residual,
                                drop_path_rate=drop_path_rate)
     if start == "export":
         backbone.load_state_dict(export.backbone.state_dict())
