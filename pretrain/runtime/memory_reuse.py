@@ -17,11 +17,11 @@ memory is a choice to make, not a default. The loader benchmark's CPU figures we
 On a C library other than glibc it does nothing.
 
 With it or without, the one batch a CPU run allocates anew at every step and fills at once, the loader's large
-views, asks the kernel for 2 MB pages (`advise_huge_pages`: madvise MADV_HUGEPAGE, which transparent huge pages honour in
-their default `madvise` mode): 512 times fewer page faults for the same zeroing. Measured on the 2-core machine
-(`torch.empty(256, 3, 224, 224).fill_(1)`, 1 thread): 0.27 ms a view with 4 KB pages, 0.066 ms on 2 MB pages,
-0.028 ms in reused memory. Process-wide (PyTorch's THP_MEM_ALLOC_ENABLE=1, every allocation of 2 MB or more) the
-same advice made the SimCLR training step slower (364 -> 244 images/s in `python -m pretrain.bench train --only
+views, asks the kernel for 2 MB pages (`advise_huge_pages`: madvise MADV_HUGEPAGE, which transparent huge pages
+honour in their default `madvise` mode): 512 times fewer page faults for the same zeroing. Measured on the 2-core
+machine (`torch.empty(256, 3, 224, 224).fill_(1)`, 1 thread): 0.27 ms a view with 4 KB pages, 0.066 ms on 2 MB
+pages, 0.028 ms in reused memory. Process-wide (PyTorch's THP_MEM_ALLOC_ENABLE=1, every allocation of 2 MB or more)
+the same advice made the SimCLR training step slower (364 -> 244 images/s in `python -m pretrain.bench train --only
 simclr`, one run each): it stays on that one batch.
 """
 from __future__ import annotations
