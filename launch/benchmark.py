@@ -48,6 +48,9 @@ band one standard deviation; the references as horizontal lines). The machine's 
 its runs' metrics.jsonl (cores, torch threads, the 1-minute load average at every logged step): a load above
 the cores says another process shared the machine, and the row's minutes bought less training. The table
 names the command and the commit (git rev-parse HEAD) that made it.
+
+`--finished-only` writes the same three files from the runs finished so far and submits nothing: a long benchmark's
+table while it is under way, each row over its finished seeds, the runs still to come named in the table.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -124,27 +127,47 @@ def run(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs)
                     [], args.parallel, args.keep_checkpoints,
                     plans={row.run_name(seed): row.job_steps(seed, runs[row.name, seed])
                            for row in rows for seed in row.seeds})
-    failed = []
+    if not args.finished_only:
+        failed = []
 
-    def finished(tag, value):
-        if value is None:
-            failed.append(tag)
+        def finished(tag, value):
+            if value is None:
+                failed.append(tag)
 
-    jobs.run(iter([((row.name, seed), row.run_name(seed), []) for row in rows for seed in row.seeds]), finished,
-             as_array=True)
-    if failed:
-        names = ", ".join(f"{name}_seed{seed}" for name, seed in failed)
-        print(f"error: {len(failed)} of {len(runs)} runs failed ({names}): their logs are named above. Run the same "
-              "command again to retry them; the finished ones are kept. No table is written.", file=sys.stderr)
+        jobs.run(iter([((row.name, seed), row.run_name(seed), []) for row in rows for seed in row.seeds]), finished,
+                 as_array=True)
+        if failed:
+            names = ", ".join(f"{name}_seed{seed}" for name, seed in failed)
+            print(f"error: {len(failed)} of {len(runs)} runs failed ({names}): their logs are named above. Run the "
+                  "same command again to retry them; the finished ones are kept. No table is written.", file=sys.stderr)
+            return 1
+    return write_results(args, rows, runs, out_dir)
+
+
+def write_results(args: argparse.Namespace, rows: list[Row], runs: dict[tuple[str, int], Path], out_dir: Path) -> int:
+    """table.md (printed), table.json and curves.png of the finished runs: every run after the jobs; with
+    --finished-only, the (row, seed) runs finished so far, each row over its finished seeds, the others named."""
+    entries, not_finished = [], []
+    for row in rows:
+        results = {seed: read_run(row, seed, runs[row.name, seed]) for seed in row.seeds}
+        done = tuple(seed for seed, result in results.items() if result is not None)
+        not_finished += [row.run_name(seed) for seed in row.seeds if seed not in done]
+        if done:
+            entries += summarise(replace(row, seeds=done), [results[seed] for seed in done])
+    if not entries:
+        print(f"error: no run of {args.file} has finished in {out_dir}: no table is written (run the command without "
+              "--finished-only to run them)", file=sys.stderr)
         return 1
-    entries = [entry for row in rows
-               for entry in summarise(row, [read_run(row, seed, runs[row.name, seed]) for seed in row.seeds])]
     stamp, commit = made_by(f"python -m launch {shlex.join(args.argv)}")     # the command and the commit
+    if not_finished:
+        stamp += (f" A partial table: {len(not_finished)} runs of the file have not finished and are not in it "
+                  f"({', '.join(not_finished)}).")
     table = markdown(entries, stamp)
     print(table)
     write_text_atomically(out_dir / "table.md", table + "\n")
     write_text_atomically(out_dir / "table.json", json.dumps({"made_by": stamp, "file": args.file,
-                                                              "rows": entries}, indent=1) + "\n")
+                                                              "not_finished": not_finished, "rows": entries},
+                                                             indent=1) + "\n")
     plot(entries, out_dir / "curves.png", f"{args.file}, commit {commit}")
     print(f"results: {out_dir / 'table.md'}, {out_dir / 'table.json'}, {out_dir / 'curves.png'}")
     return 0
@@ -161,4 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", action="store_true",
                         help="keep each finished run's checkpoints and exports (default: removed once it is scored; "
                              "its results, metrics, logs and final backbone.pth stay)")
+    parser.add_argument("--finished-only", action="store_true",
+                        help="write the table and the plot of the runs finished so far, each row over its finished "
+                             "seeds, and submit nothing (e.g. while a long benchmark is under way)")
     add_cluster_arguments(parser)

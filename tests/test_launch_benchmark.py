@@ -53,6 +53,15 @@ def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their
     killed_at = int((simclr / "checkpoints" / "latest").read_text().removeprefix("step"))
     assert killed_at < 6 and not (simclr / "finished.json").exists()
 
+    # --finished-only: the table of what has finished (the reference), the rest named, nothing submitted.
+    partial = forked_runs.run("launch", [*command, "--finished-only"], timeout=120)
+    table = json.loads((out / "table.json").read_text())
+    assert [entry["label"] for entry in table["rows"]] == ["raw pixels, 8 px", "random init, 8 px"]
+    assert table["not_finished"] == ["simclr_seed0", "cross_entropy_seed0"]
+    assert "A partial table: 2 runs of the file have not finished" in partial.stdout
+    assert len((simclr / "jobs.jsonl").read_text().splitlines()) == 1
+    assert not (out / "rows" / "cross_entropy_seed0").exists()
+
     second = forked_runs.run("launch", command, timeout=240)
     jobs = {row: [json.loads(line) for line in (out / "rows" / row / "jobs.jsonl").read_text().splitlines()]
             for row in ("references_8px_seed0", "simclr_seed0", "cross_entropy_seed0")}
