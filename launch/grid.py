@@ -14,7 +14,8 @@ import launch.trials
 from launch.cluster import LaunchError, add_cluster_arguments, cluster_options
 from launch.hpo_replay import Grid, format_table
 from launch.sweep import run_name
-from launch.trials import Objective, TrialJobs, add_trial_arguments, assignments, config_value
+from launch.trials import (Objective, TrialJobs, add_trial_arguments, assignments, config_value, search_cost,
+                           training_minutes)
 from pretrain.runtime.argument_types import number, parse_number
 
 HELP = "the objective measured on a grid of config values, as a sweep of jobs"
@@ -77,9 +78,14 @@ def run(args: argparse.Namespace, trial_jobs: type[TrialJobs] = TrialJobs) -> in
     jobs.run(trials(), finished, as_array=True)
     metric = f"{objective.protocol} {objective.field}"
     print(f"\n{metric} over {' x '.join(axes)}")
-    rows = [{**{key: f"{axis[i]:.6g}" for (key, axis), i in zip(axes.items(), index)},
-             "value": None if np.isnan(values[index]) else float(values[index])} for index in points]
-    print(format_table(rows, [*axes, "value"]))
+    rows = []
+    for index, name, _ in trials():
+        minutes = training_minutes(jobs.run_dir(name))
+        rows.append({**{key: f"{axis[i]:.6g}" for (key, axis), i in zip(axes.items(), index)},
+                     "value": None if np.isnan(values[index]) else float(values[index]),
+                     "minutes": None if minutes is None else round(minutes, 2)})
+    print(format_table(rows, [*axes, "value", "minutes"]))
+    print(search_cost([row["minutes"] for row in rows]))
     missing = int(np.isnan(values).sum())
     if missing:
         print(f"{missing} of {values.size} points failed (their logs are named above); run the same command again "

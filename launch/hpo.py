@@ -19,7 +19,8 @@ import launch.trials
 from launch.cluster import LaunchError, add_cluster_arguments, cluster_options
 from launch.coordinate_descent import PAPER_DIRECTIONS, coordinate_descent
 from launch.hpo_replay import format_table
-from launch.trials import Objective, SearchKey, TrialJobs, add_trial_arguments, assignments, config_value
+from launch.trials import (Objective, SearchKey, TrialJobs, add_trial_arguments, assignments, config_value,
+                           search_cost, training_minutes)
 from pretrain.runtime.argument_types import non_negative_int, number_list, positive_int
 
 HELP = "a hyper-parameter search whose trials are jobs (cd, random, tpe, cmaes)"
@@ -207,10 +208,13 @@ def write_search_results(study, space: list[SearchKey], objective: Objective, se
             continue
         value = trial.value if trial.state == optuna.trial.TrialState.COMPLETE else None
         best = max(best, value if value is not None else -math.inf)
+        minutes = training_minutes(search_dir / "trials" / f"trial{trial.number:04d}")
         rows.append({"trial": trial.number, **{key.key: f"{trial.params[key.key]:.4g}" for key in space},
-                     "value": value, "best so far": best if best > -math.inf else None})
+                     "value": value, "best so far": best if best > -math.inf else None,
+                     "minutes": None if minutes is None else round(minutes, 2)})
     print(f"\n{method}: {objective.protocol} {objective.field}")
-    print(format_table(rows, ["trial", *(key.key for key in space), "value", "best so far"]))
+    print(format_table(rows, ["trial", *(key.key for key in space), "value", "best so far", "minutes"]))
+    print(search_cost([row["minutes"] for row in rows]))
     (search_dir / "trials.json").write_text(json.dumps(rows, indent=1) + "\n")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

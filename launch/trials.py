@@ -129,6 +129,22 @@ def config_value(config: str | None, overrides: list[str], key: str, option: str
     return value
 
 
+def training_minutes(run_dir: Path) -> float | None:
+    """A trial's minutes of training, what it cost: its run's training clock (`perf/training_seconds`, the last one
+    metrics.jsonl logged; counted across resumes), None before it logged one."""
+    path = run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    clock = [line["perf/training_seconds"] for line in lines if "perf/training_seconds" in line]
+    return clock[-1] / 60 if clock else None
+
+
+def search_cost(minutes: list[float | None]) -> str:
+    """The line under a search's table: its trials and their minutes of training in all."""
+    known = [m for m in minutes if m is not None]
+    return (f"cost: {len(minutes)} trials, {sum(known):.1f} minutes of training in all (their evaluations not "
+            f"counted{'' if len(known) == len(minutes) else f'; {len(minutes) - len(known)} logged no minutes'})")
+
+
 def assignments(values: dict[str, float], integer_keys: set[str]) -> list[str]:
     """Config overrides for one trial: `key=value`, integer keys (a batch size) rounded."""
     return [f"{key}={round(value) if key in integer_keys else f'{value:.6g}'}" for key, value in values.items()]

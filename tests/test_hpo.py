@@ -46,6 +46,9 @@ class ComputedTrials(TrialJobs):
         failed = name in self.fail
         for folder in ("checkpoints/step00000010", "exports/step00000010"):      # what a trained trial leaves
             (self.run_dir(name) / folder).mkdir(parents=True, exist_ok=True)
+        (self.run_dir(name) / "metrics.jsonl").write_text("".join(    # its training clock: 1.5 minutes at the end
+            json.dumps(line) + "\n" for line in ({"step": 5, "perf/training_seconds": 40.0}, {"step": 10, "loss": 1.0},
+                                                 {"step": 10, "perf/training_seconds": 90.0})))
         if not failed:
             result = self.run_dir(name) / "eval" / "retrieval_step0000010.json"
             result.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +84,7 @@ def test_a_grid_measures_every_point_once_and_a_failed_point_is_retried_alone(tm
     ComputedTrials.submitted, ComputedTrials.fail = [], set()
     assert run_grid(parse("grid", *argv), ComputedTrials) == 0
     assert ComputedTrials.submitted == ["point_lambda-p0.5_lambda-e2"]          # the others were read back
+    assert "cost: 6 trials, 9.0 minutes of training in all" in capsys.readouterr().out   # the points read back too
     grid = json.loads((tmp_path / "grid.json").read_text())
     assert grid["keys"] == ["method.lambda_p", "method.lambda_e"]
     assert grid["axes"] == [[0.25, 0.5, 1.0], [0.5, 2.0]]
@@ -116,8 +120,10 @@ def test_a_killed_search_resumes_without_running_a_finished_trial_again(tmp_path
     assert resumed[-1]["best so far"] == best
 
 
-def test_coordinate_descent_starts_at_the_configs_values_and_climbs_the_landscape(tmp_path):
+def test_coordinate_descent_starts_at_the_configs_values_and_climbs_the_landscape(tmp_path, capsys):
     rows = search(tmp_path, "cd", 20)
+    assert [row["minutes"] for row in rows] == [1.5] * 20                # each trial's training clock, its last
+    assert "cost: 20 trials, 30.0 minutes of training in all" in capsys.readouterr().out
     assert (rows[0]["method.lambda_p"], rows[0]["method.lambda_e"]) == ("1", "1")     # the config's 1.0, 1.0
     assert rows[0]["value"] == pytest.approx(landscape(1, 1))
     assert rows[-1]["best so far"] > landscape(1, 1) + 0.2
