@@ -31,6 +31,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
 
+from omegaconf import OmegaConf
+
 from launch.cluster import ClusterOptions, LaunchError, submit, submit_array
 from launch.jobs import Step
 from launch.status import job_state, latest_job_of_each_stage
@@ -118,11 +120,10 @@ class Objective:
 def config_value(config: str | None, overrides: list[str], key: str, option: str) -> int | float:
     """The value of a dotted config key in the config (with overrides), to know its type and starting value; a key
     that is not a number (`method.name`) is refused naming `option`: a search moves numbers."""
-    value = load_config(config, overrides)
-    for part in key.split("."):
-        if not hasattr(value, part):
-            raise LaunchError(f"{key}: the config has no such key (see pretrain/config.py)")
-        value = getattr(value, part)
+    missing = object()
+    value = OmegaConf.select(load_config(config, overrides), key, default=missing)      # data.views.0.scale.0 too
+    if value is missing:
+        raise LaunchError(f"{key}: the config has no such key (see pretrain/config.py)")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LaunchError(f"{option} {key}: the config's {key} is {value!r}, not a number; {option} searches numeric "
                           "keys (to compare values of another kind, use `launch pretrain --sweep`)")

@@ -22,9 +22,21 @@ def test_overrides_are_typed_and_applied():
     assert [groups[0].count] == cfg.hvs.num_views == [4] and groups[0].scale == (0.2, 1.0)
 
 
+def test_one_item_of_a_list_of_numbers_is_a_key_of_its_own():
+    """`data.views.0.scale.0=0.5` sets one crop bound (a search's `--space` moves it); an item past the list's end is
+    refused naming the list's length."""
+    cfg = load_config(None, ["data.views.0.scale.0=0.5", "data.mean.2=0.25"])
+    assert list(cfg.data.views[0].scale) == [0.5, 1.0] and cfg.data.mean[2] == 0.25 and cfg.data.mean[0] != 0.25
+    with pytest.raises(ConfigError, match=r"data.views.0.scale.2: data.views.0.scale has 2 item\(s\)"):
+        load_config(None, ["data.views.0.scale.2=0.5"])
+    with pytest.raises(ConfigError, match=r"data.views.0.scale.0=1.5|scale"):
+        load_config(None, ["data.views.0.scale.0=1.5"])                  # above its upper bound: refused
+
+
 @pytest.mark.parametrize("override, closest", [("hvs.enabld=true", "hvs.enabled"),
                                                ("optim.wieght_decay=0.1", "optim.weight_decay"),
-                                               ("data.views.0.szie=3", "data.views.0.size")])
+                                               ("data.views.0.szie=3", "data.views.0.size"),
+                                               ("data.views.0.scael.1=0.5", "data.views.0.scale.0")])
 def test_mistyped_key_names_the_closest_valid_one(override, closest):
     with pytest.raises(ConfigError, match=f"unknown config key .*did you mean '{closest}'"):
         load_config(None, [override])

@@ -19,7 +19,8 @@ from launch.__main__ import build_parser, main
 from launch.cluster import LaunchError
 from launch.grid import grid_axis, run as run_grid
 from launch.hpo import run as run_search
-from launch.trials import Objective, SearchKey, TrialJobs
+from launch.trials import Objective, SearchKey, TrialJobs, assignments, config_value
+from pretrain.config import load_config
 
 CONFIG = str(Path(__file__).parents[1] / "configs" / "pretrain" / "contrastive_balance_digits.yaml")
 
@@ -184,6 +185,14 @@ def test_search_keys_axes_and_objectives_parse_as_documented(tmp_path):
     assert Objective.parse("linear:top1").read(tmp_path) is None                       # not evaluated yet
     with pytest.raises(LaunchError, match="has no 'top5'; its fields here: top1"):
         Objective.parse("knn:top5").read(tmp_path)
+
+
+def test_a_search_moves_one_crop_bound_starting_from_the_configs_value():
+    config = str(Path(CONFIG).with_name("simclr_fashion_mnist.yaml"))           # its views' scale: [0.3, 1.0]
+    assert config_value(config, [], "data.views.0.scale.0", "--space") == 0.3
+    trial = assignments({"data.views.0.scale.0": 0.18}, set())
+    assert trial == ["data.views.0.scale.0=0.18"]
+    assert list(load_config(config, trial).data.views[0].scale) == [0.18, 1.0]
 
 
 def test_the_commands_refuse_a_bad_key_or_direction_setting_in_one_line(tmp_path, capsys):

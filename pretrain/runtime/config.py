@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from pretrain.runtime.config_error import ConfigError
@@ -109,7 +109,8 @@ RUNTIME_RANGES = (
 
 
 def schema_keys(schema: type, prefix: str = "") -> list[str]:
-    """All dotted key paths of a dataclass schema (list items as `views.N.size`)."""
+    """All dotted key paths of a dataclass schema (list items as `views.N.size`, a list of numbers' items as
+    `views.N.scale.N`: one crop bound is a key a search can move)."""
     keys, defaults = [], schema()
     for f in fields(schema):
         path = f"{prefix}{f.name}"
@@ -119,6 +120,8 @@ def schema_keys(schema: type, prefix: str = "") -> list[str]:
             keys += schema_keys(type(default), path + ".")
         elif isinstance(default, list) and default and is_dataclass(default[0]):
             keys += schema_keys(type(default[0]), path + ".N.")
+        elif isinstance(default, (list, tuple)) and default:
+            keys.append(path + ".N")
     return keys
 
 
@@ -127,7 +130,8 @@ def _check_key(path: str, keys: tuple[str, ...], where: str) -> None:
     if generic in keys:
         return
     close = difflib.get_close_matches(generic, keys, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0].replace('.N.', '.0.')!r}?" if close else ""
+    example = ".".join("0" if part == "N" else part for part in close[0].split(".")) if close else None
+    hint = f"; did you mean {example!r}?" if close else ""
     raise ConfigError(f"unknown config key {path!r}{hint} (valid keys are listed in {where})")
 
 
@@ -192,6 +196,7 @@ def merge_checked(cfg: DictConfig, keys: tuple[str, ...], tree: dict, parsed: li
         for key, value in parsed:
             _check_key(key, keys, where)
             check_list_indices(cfg, key)
+            key, value = whole_list_for_one_number(cfg, key, value)
             node = OmegaConf.select(cfg, key)
             if isinstance(node, ListConfig) and not isinstance(value, list):
                 raise ConfigError(f"{key} is a list; write {key}=[{value}]")
@@ -206,6 +211,21 @@ def merge_checked(cfg: DictConfig, keys: tuple[str, ...], tree: dict, parsed: li
     return cfg
 
 
+SEQUENCES = (ListConfig, TupleConfig)      # a schema's list, and its tuple (a crop's scale)
+
+
+def whole_list_for_one_number(cfg: DictConfig, key: str, value: object) -> tuple[str, object]:
+    """An item of a list of numbers (`data.views.0.scale.0=0.5`) becomes the whole list with that item replaced:
+    OmegaConf keeps a schema's tuple (the crop's scale) immutable item by item. Other keys pass unchanged."""
+    parent, _, last = key.rpartition(".")
+    items = OmegaConf.select(cfg, parent) if last.isdigit() else None
+    if not isinstance(items, SEQUENCES) or any(isinstance(item, (DictConfig, *SEQUENCES)) for item in items):
+        return key, value
+    replaced = list(items)
+    replaced[int(last)] = value
+    return parent, replaced
+
+
 def check_list_indices(cfg: DictConfig, key: str) -> None:
     """Refuse a dotted key that indexes past the end of a list (data.views.3.size with one view group)."""
     parts = key.split(".")
@@ -213,7 +233,7 @@ def check_list_indices(cfg: DictConfig, key: str) -> None:
         if part.isdigit():
             prefix = ".".join(parts[:index])
             node = OmegaConf.select(cfg, prefix)
-            if isinstance(node, ListConfig) and int(part) >= len(node):
+            if isinstance(node, SEQUENCES) and int(part) >= len(node):
                 raise ConfigError(f"{key}: {prefix} has {len(node)} item(s), numbered from 0; set an existing one "
                                   f"({prefix}.0...), or give the whole list as {prefix}=[...]")
 
