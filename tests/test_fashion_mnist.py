@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.data.fashion_mnist import CLASS_NAMES, FASHION_MNIST_DIR, SPLITS, read_fashion_mnist
+from pretrain.data.fashion_mnist import CLASS_NAMES, FASHION_MNIST_DIR, SPLITS, held_out, read_fashion_mnist
 from tests.run_helpers import ROOT, run
 
 
@@ -21,6 +21,15 @@ def test_the_installed_files_hold_60000_and_10000_balanced_images():
         assert images.shape == (count, 28, 28) and images.dtype == np.uint8
         assert np.bincount(labels).tolist() == [count // 10] * 10        # 6,000 / 1,000 per class
     assert 70 < splits["train"][0].mean() < 75                           # the published mean, 72.9 (0.286)
+
+
+def test_the_search_holds_out_a_sixth_of_each_class_the_same_every_time():
+    labels = read_fashion_mnist()["train"][1]
+    validation = held_out(labels)
+    assert np.bincount(labels[validation]).tolist() == [1000] * 10        # 10,000, as many as test
+    assert np.array_equal(validation, held_out(labels))                   # fixed: every checkout holds out these
+    few = labels[:320]
+    assert np.bincount(few[held_out(few)], minlength=10).tolist() == [n // 6 for n in np.bincount(few)]
 
 
 def write(source: Path, out: Path, *extra: str, expect: int = 0):
@@ -67,6 +76,18 @@ def test_a_tiny_benchmark_run_trains_and_is_evaluated_on_the_written_test_set(tm
     written = write(FASHION_MNIST_DIR, data, "--limit", "320")
     assert "wrote 320 images in 10 classes" in written.stdout
     assert json.loads((data / "train.classes.json").read_text()) == CLASS_NAMES
+    # the search's split of those training images: the held-out ones and the rest
+    searched = int(held_out(read_fashion_mnist()["train"][1][:320]).sum())
+    assert f"search_val.beton: wrote {searched} images" in written.stdout
+    assert f"search_train.beton: wrote {320 - searched} images" in written.stdout
+    # a folder written before the search's splits existed gets them and keeps the others
+    train_written = (data / "train.beton").stat().st_mtime_ns
+    for split in ("search_train", "search_val"):
+        (data / f"{split}.beton").unlink()
+    again = write(FASHION_MNIST_DIR, data, "--limit", "320")
+    assert f"{data / 'train.beton'}: exists, kept" in again.stdout
+    assert f"search_val.beton: wrote {searched}" in again.stdout
+    assert (data / "train.beton").stat().st_mtime_ns == train_written
     run_dir = tmp_path / "run"
     run([sys.executable, "-m", "pretrain", "--config", str(ROOT / "configs/pretrain/simclr_fashion_mnist.yaml"),
          f"run_dir={run_dir}", f"data.train={data / 'train.beton'}", f"data.val={data / 'test.beton'}",

@@ -57,12 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Write Fashion-MNIST's 60,000 train and 10,000 test images (28x28 "
                                               "grayscale, stored raw as RGB) to OUT_DIR/train.beton and "
                                               "OUT_DIR/test.beton from the four IDX files of Debian's "
-                                              "dataset-fashion-mnist (make install installs it).")
+                                              "dataset-fashion-mnist (make install installs it), and the training "
+                                              "images split for searches: OUT_DIR/search_val.beton (a sixth of each "
+                                              "class, 10,000, fixed) and OUT_DIR/search_train.beton (the other "
+                                              "50,000); choose a recipe on those, report it on test.")
     fashion.add_argument("--out-dir", required=True, type=output_folder, help="Output folder (e.g. data/fashion_mnist).")
     fashion.add_argument("--source-dir", default=str(FASHION_MNIST_DIR),
                          help="Folder with train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
                               "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz. Default: %(default)s.")
-    fashion.add_argument("--force", action="store_true", help="Rewrite even when both .beton files already exist.")
+    fashion.add_argument("--force", action="store_true",
+                         help="Rewrite the .beton files that exist already (default: keep them, write those missing).")
     fashion.add_argument("--limit", type=int, default=0,
                          help="Write only the first LIMIT images of each split (a tiny set for smoke tests); "
                               "0 writes them all. Default: 0.")

@@ -6,6 +6,12 @@ Debian's package `dataset-fashion-mnist` installs the four original IDX files un
 labels in 0..9) before writing anything, then writes OUT_DIR/train.beton (60,000) and OUT_DIR/test.beton
 (10,000) with raw pixels (no JPEG loss on 28 x 28), the gray value copied to R, G and B as the digits are.
 
+Fashion-MNIST has no validation split, and a recipe chosen on the test images is chosen on what it is scored on.
+So the training images are also written split in two, for searches: OUT_DIR/search_val.beton holds a sixth of each
+class (10,000 images, 1,000 a class: `held_out`, fixed), OUT_DIR/search_train.beton the other 50,000. A search trains
+on search_train and scores on search_val (`data.train=... data.val=...`); the table trains on train and scores on
+test, which the search never saw.
+
 IDX format (http://yann.lecun.com/exdb/mnist/): a big-endian header of 0x00 0x00, a type byte (0x08: uint8),
 the number of dimensions, then one uint32 per dimension; the values follow in C order.
 """
@@ -30,6 +36,8 @@ SIDE = 28
 SPLITS = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 60000),
           "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 10000)}
 IDX_UINT8 = 0x08
+SEARCH_SPLITS = ("search_train", "search_val")     # the training images without, and with only, `held_out`'s
+HELD_OUT_FRACTION = 6                              # a sixth of each class: 10,000 of 60,000, as many as test
 
 
 def read_idx(path: str | Path, expected_shape: tuple[int, ...]) -> np.ndarray:
@@ -73,23 +81,41 @@ def read_fashion_mnist(source_dir: str | Path = FASHION_MNIST_DIR) -> dict[str, 
     return splits
 
 
+def held_out(labels: np.ndarray) -> np.ndarray:
+    """The search's validation images among the training images: a sixth of each class (rounded down), drawn by a
+    fixed generator, so that every checkout holds out the same ones. A boolean mask over `labels`."""
+    generator = np.random.default_rng(0)
+    mask = np.zeros(len(labels), dtype=bool)
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        mask[generator.choice(members, size=len(members) // HELD_OUT_FRACTION, replace=False)] = True
+    return mask
+
+
 def write_fashion_mnist(out_dir: str | Path, *, source_dir: str | Path = FASHION_MNIST_DIR, force: bool = False,
                         workers: int = 2, limit: int = 0) -> list[WriteReport]:
-    """Write OUT_DIR/train.beton and OUT_DIR/test.beton (plus their .classes.json) from the IDX files.
+    """Write OUT_DIR/{train,test,search_train,search_val}.beton (plus their .classes.json) from the IDX files.
 
     All four files are read and checked before the first .beton is written, so a bad file leaves no output.
-    `limit` > 0 writes only the first `limit` images of each split (tiny sets for tests). When both .beton
-    files exist already, nothing is rewritten unless `force`; the returned reports then have written = -1.
+    `limit` > 0 writes only the first `limit` images of each split (tiny sets for tests; the search's splits are
+    drawn from those training images). A .beton that exists already is kept unless `force` (its report then has
+    written = -1): a folder written before the search's splits existed gets them, and keeps the others.
     """
     out_dir = Path(out_dir)
-    targets = {split: out_dir / f"{split}.beton" for split in SPLITS}
+    targets = {split: out_dir / f"{split}.beton" for split in (*SPLITS, *SEARCH_SPLITS)}
     if not force and all(path.exists() for path in targets.values()):
         return [WriteReport(out_path=path, written=-1, class_names=CLASS_NAMES) for path in targets.values()]
-    splits = read_fashion_mnist(source_dir)
+    splits = {split: (images[:limit], labels[:limit]) if limit > 0 else (images, labels)
+              for split, (images, labels) in read_fashion_mnist(source_dir).items()}
+    images, labels = splits["train"]
+    validation = held_out(labels)
+    splits.update(search_train=(images[~validation], labels[~validation]),
+                  search_val=(images[validation], labels[validation]))
     reports = []
     for split, (images, labels) in splits.items():
-        if limit > 0:
-            images, labels = images[:limit], labels[:limit]
+        if targets[split].exists() and not force:
+            reports.append(WriteReport(out_path=targets[split], written=-1, class_names=CLASS_NAMES))
+            continue
         dataset = ArrayImageSet(lambda i, images=images: np.repeat(images[i][..., None], 3, axis=2),
                                 labels.tolist(), None)
         write_beton(targets[split], dataset, write_mode="raw", workers=workers)
