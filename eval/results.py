@@ -128,6 +128,7 @@ class EvaluatedExport(Protocol):
     out_dir: Path         # RUN_DIR
     train_path: Path
     val_path: Path
+    image_size: int       # the side evaluated, recorded in the result
 
 
 def data_suffix(config: Mapping[str, Any] | None, train_path: Path, val_path: Path) -> str:
@@ -149,14 +150,16 @@ def write_results(inputs: EvaluatedExport, protocol: str, top1: dict[str, float]
     INPUTS.OUT_DIR/eval/{protocol}_step{step:07d}.json (see `write_result`); returns the JSON's path.
 
     On other data than the run's own (`data_suffix`), the result is {protocol}_on_{val set}_{digits} and its
-    scalars are under `eval_on_{val set}_{digits}/` instead of `eval/`: the run's own result and curve stay.
-    The JSON holds protocol, step, epoch, checkpoint, arch, top1, train, val, then `details`.
+    scalars are under `eval_on_{val set}_{digits}/` instead of `eval/`: the run's own result and curve stay. The
+    JSON holds protocol, step, epoch, checkpoint, arch, top1, train, val, image_size (the side evaluated), then
+    `details`.
     """
     export = inputs.export
     suffix = data_suffix(export.config, inputs.train_path, inputs.val_path)
     result = {"protocol": protocol, "step": export.step, "epoch": export.epoch,
               "checkpoint": str(inputs.checkpoint), "arch": export.arch, "top1": top1,
-              "train": str(inputs.train_path), "val": str(inputs.val_path), **details}
+              "train": str(inputs.train_path), "val": str(inputs.val_path), "image_size": inputs.image_size,
+              **details}
     if suffix:
         scalars = {re.sub(r"^eval/", f"eval{suffix}/", tag): value for tag, value in scalars.items()}
     return write_result(inputs.out_dir, protocol + suffix, export.step, result, scalars)

@@ -389,7 +389,7 @@ def test_an_export_whose_config_sets_an_evaluation_side_is_scored_at_it(digits, 
         return extract_features(RESNET18_SMALL.eval(), loader, "cpu")
 
     at_24 = weighted_knn(*features("train", 24), *features("val", 24), ks=(20,))[20]
-    assert result["top1"]["20"] == pytest.approx(at_24, abs=1e-9)
+    assert result["top1"]["20"] == pytest.approx(at_24, abs=1e-9) and result["image_size"] == 24
     assert at_24 != weighted_knn(*features("train", 32), *features("val", 32), ks=(20,))[20]     # not the views' side
 
 
