@@ -12,6 +12,7 @@ import numpy as np
 
 from eval.results import result_path
 from launch.benchmark_file import Row
+from launch.trials import read_lines
 
 FINAL = 1 << 30                 # the key of a run's last point, whatever mark, step or epoch it fell on
 
@@ -28,10 +29,6 @@ class Run:
     @property
     def final(self) -> dict:
         return self.points[-1]
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def machine_state(lines: list[dict]) -> dict:

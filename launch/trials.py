@@ -130,12 +130,16 @@ def config_value(config: str | None, overrides: list[str], key: str, option: str
     return value
 
 
+def read_lines(path: Path) -> list[dict]:
+    """The lines of a JSON-lines file (a run's metrics.jsonl), none when it does not exist yet."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def training_minutes(run_dir: Path) -> float | None:
     """A trial's minutes of training, what it cost: its run's training clock (`perf/training_seconds`, the last one
     metrics.jsonl logged; counted across resumes), None before it logged one."""
-    path = run_dir / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    clock = [line["perf/training_seconds"] for line in lines if "perf/training_seconds" in line]
+    clock = [line["perf/training_seconds"] for line in read_lines(run_dir / "metrics.jsonl")
+             if "perf/training_seconds" in line]
     return clock[-1] / 60 if clock else None
 
 
