@@ -17,10 +17,10 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eval.features import evaluation_image_size, extract_features, resolve_beton_path, resolve_device
+from eval.features import extract_features, resolve_beton_path, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
-from eval.results import RESULTS_DIR, check_writable, write_result
+from eval.results import RESULTS_DIR, check_writable, evaluation_image_size, write_result
 from pretrain.config import load_config
 from pretrain.data.loader import build_image_loader
 from pretrain.models import create_backbone
@@ -32,7 +32,7 @@ KNN_K, KNN_TEMPERATURE = 20, 0.07
 
 
 def config_evaluation_size(cfg: DictConfig) -> int:
-    """The evaluation side a run of `cfg` is scored at (`eval.features.evaluation_image_size`)."""
+    """The evaluation side a run of `cfg` is scored at (`eval.results.evaluation_image_size`)."""
     return evaluation_image_size(OmegaConf.to_container(cfg, resolve=True))
 
 

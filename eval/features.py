@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eval.results import trained_image_size
 from pretrain.models import create_backbone
 
 # How many mismatched state_dict keys an error message names before summarising the rest.
@@ -207,26 +208,6 @@ def embed(head: nn.Module, features: torch.Tensor, batch_size: int = 4096) -> to
     `batch_size` rows at a time. Not normalised: retrieval L2-normalises whatever it ranks."""
     head = head.to(features.device).eval()
     return torch.cat([head(chunk.float()) for chunk in features.split(batch_size)])
-
-
-def evaluation_crop_fraction(config: dict[str, Any]) -> float:
-    """data.eval_crop_fraction of the export's config; 0.875 (256 -> 224) for exports written before it existed."""
-    return float(config.get("data", {}).get("eval_crop_fraction", 0.875))
-
-
-def trained_image_size(config: dict[str, Any]) -> int | None:
-    """The side of the first training view group (None if the config has none): what a ViT's position embedding
-    was built for."""
-    views = config.get("data", {}).get("views") or []
-    if views and isinstance(views[0], dict) and "size" in views[0]:
-        return int(views[0]["size"])
-    return None
-
-
-def evaluation_image_size(config: dict[str, Any]) -> int | None:
-    """The evaluation image side: data.eval_image_size when set (> 0), else the first training view group's size
-    (None if the config has neither)."""
-    return int(config.get("data", {}).get("eval_image_size") or 0) or trained_image_size(config)
 
 
 def resolve_beton_path(override: str | Path | None, config: dict[str, Any], split: str,

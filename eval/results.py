@@ -10,8 +10,9 @@ fine-tuning and detection of `python -m transfer`) records its result as
                                                    training curves, in an event file of their own
 
 `name` is the protocol (`knn`, `linear`, `finetune_10pct_export`, `detection_random`, ...), followed, for an export
-evaluated on other data than its run's own (`--train` / `--val`), by `_on_{val set}_{6 hex digits}`
-(`data_suffix`), so that such a result never replaces the run's own. A result is written
+evaluated otherwise than its run's own evaluation, by what differs (`evaluation_suffix`): `_on_{val set}_{6 hex
+digits}` for other data (`--train` / `--val`), `_at_{N}px` for another side (`--image-size`), `_crop{F}` for
+another crop (`--crop-fraction`), so that such a result never replaces the run's own. A result is written
 again (a re-run, or an attempt that crashed before its JSON) without duplicating its scalars in TensorBoard:
 the event file named after the result is replaced, not added to.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -120,6 +122,27 @@ def write_scalars(log_dir: Path, stem: str, step: int, scalars: Mapping[str, flo
 # ============ the result of evaluating an export (python -m eval, python -m transfer finetune) ============
 
 
+def evaluation_crop_fraction(config: dict[str, Any]) -> float:
+    """data.eval_crop_fraction of the export's config; 0.875 (256 -> 224) for exports written before it existed."""
+    return float(config.get("data", {}).get("eval_crop_fraction", 0.875))
+
+
+def trained_image_size(config: dict[str, Any]) -> int | None:
+    """The side of the first training view group (None if the config has none): what a ViT's position embedding
+    was built for."""
+    views = config.get("data", {}).get("views") or []
+    if views and isinstance(views[0], dict) and "size" in views[0]:
+        return int(views[0]["size"])
+    return None
+
+
+def evaluation_image_size(config: dict[str, Any]) -> int | None:
+    """The evaluation image side: data.eval_image_size when set (> 0), else the first training view group's size
+    (None if the config has neither)."""
+    return int(config.get("data", {}).get("eval_image_size") or 0) or trained_image_size(config)
+
+
+
 class EvaluatedExport(Protocol):
     """What `write_results` reads of its `inputs` (eval's EvaluationInputs, transfer's FinetuneInputs)."""
 
@@ -129,6 +152,7 @@ class EvaluatedExport(Protocol):
     train_path: Path
     val_path: Path
     image_size: int       # the side evaluated, recorded in the result
+    crop_fraction: float  # the centre crop evaluated, recorded in the result
 
 
 def data_suffix(config: Mapping[str, Any] | None, train_path: Path, val_path: Path) -> str:
@@ -144,22 +168,39 @@ def data_suffix(config: Mapping[str, Any] | None, train_path: Path, val_path: Pa
     return f"_on_{val_name}_{digest}"
 
 
+def evaluation_suffix(config: Mapping[str, Any] | None, train_path: Path, val_path: Path, image_size: int,
+                      crop_fraction: float) -> str:
+    """What sets an evaluation apart from its run's own, as a suffix of the protocol's name: "" with the export
+    config's data, side (`evaluation_image_size`) and crop (`evaluation_crop_fraction`); else `data_suffix`, then
+    `_at_{N}px` for another side, then `_crop{F}` for another crop fraction. A result scored otherwise is thus
+    never written over the run's own (`eval knn --run R --image-size 24` beside the 16 px result)."""
+    config = config or {}
+    suffix = data_suffix(config, train_path, val_path)
+    own_side = evaluation_image_size(config)
+    if own_side is not None and int(image_size) != own_side:
+        suffix += f"_at_{int(image_size)}px"
+    if not math.isclose(float(crop_fraction), evaluation_crop_fraction(config)):
+        suffix += f"_crop{float(crop_fraction):g}"
+    return suffix
+
+
 def write_results(inputs: EvaluatedExport, protocol: str, top1: dict[str, float] | float,
                   scalars: Mapping[str, float], details: Mapping[str, Any]) -> Path:
     """Write the result of `protocol` on `inputs.export`: the TensorBoard `scalars` at the export's step, then
-    INPUTS.OUT_DIR/eval/{protocol}_step{step:07d}.json (see `write_result`); returns the JSON's path.
+    INPUTS.OUT_DIR/eval/{protocol}{suffix}_step{step:07d}.json (see `write_result`); returns the JSON's path.
 
-    On other data than the run's own (`data_suffix`), the result is {protocol}_on_{val set}_{digits} and its
-    scalars are under `eval_on_{val set}_{digits}/` instead of `eval/`: the run's own result and curve stay. The
-    JSON holds protocol, step, epoch, checkpoint, arch, top1, train, val, image_size (the side evaluated), then
-    `details`.
+    With the run's own data, side and crop the suffix is empty; otherwise (`evaluation_suffix`) the result is
+    e.g. {protocol}_on_{val set}_{digits} or {protocol}_at_24px, and its scalars are under `eval{suffix}/`
+    instead of `eval/`: the run's own result and curve stay. The JSON holds protocol, step, epoch, checkpoint,
+    arch, top1, train, val, image_size and crop_fraction (what was evaluated), then `details`.
     """
     export = inputs.export
-    suffix = data_suffix(export.config, inputs.train_path, inputs.val_path)
+    suffix = evaluation_suffix(export.config, inputs.train_path, inputs.val_path, inputs.image_size,
+                               inputs.crop_fraction)
     result = {"protocol": protocol, "step": export.step, "epoch": export.epoch,
               "checkpoint": str(inputs.checkpoint), "arch": export.arch, "top1": top1,
               "train": str(inputs.train_path), "val": str(inputs.val_path), "image_size": inputs.image_size,
-              **details}
+              "crop_fraction": inputs.crop_fraction, **details}
     if suffix:
         scalars = {re.sub(r"^eval/", f"eval{suffix}/", tag): value for tag, value in scalars.items()}
     return write_result(inputs.out_dir, protocol + suffix, export.step, result, scalars)

@@ -5,7 +5,8 @@ Pretraining publishes a backbone export per checkpoint, RUN_DIR/exports/backbone
 temporary name and renamed (a file that is there is complete), and appends its step to
 exports/published.txt. For every step published or exported (an export on disk is complete, so one whose step is
 not listed, e.g. after published.txt was deleted, is evaluated all the same) and every protocol without a result
-RUN_DIR/eval/<protocol>_stepNNNNNNN.json, oldest step first, the watcher runs the protocol on that export
+RUN_DIR/eval/<protocol>_stepNNNNNNN.json (with --train, --val, --image-size or --crop-fraction other than the run's
+own, the name the protocol gives such a result, e.g. knn_at_24px_stepNNNNNNN.json), oldest step first, the watcher runs the protocol on that export
 (`python -m eval <protocol> --checkpoint EXPORT --run RUN_DIR`): the JSON, written last and atomically, is the
 record that it is done, and its TensorBoard scalars land in RUN_DIR/tb at that step, next to the training
 curves. A watcher killed mid-evaluation and restarted therefore evaluates nothing twice and completes the
@@ -40,7 +41,8 @@ from pathlib import Path
 from eval import knn, linear, retrieval
 from eval.features import EvaluationInputError
 from eval.inputs import add_data_options
-from eval.results import feature_cache_path, result_path
+from eval.results import (evaluation_crop_fraction, evaluation_image_size, evaluation_suffix,
+                          feature_cache_path, result_path)
 from pretrain.export import EXPORTS, export_path, published_export_steps
 from pretrain.runtime.argument_types import CommandLineParser, number
 from pretrain.runtime.graceful_stop import PENDING_STOP_SIGNAL
@@ -115,14 +117,15 @@ def exported_steps(run_dir: Path) -> list[int]:
     return [int(name.group(1)) for name in names if name]
 
 
-def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]], list[int]]:
+def pending(run_dir: Path, protocols: list[str], suffix: str = "") -> tuple[list[tuple[int, str]], list[int]]:
     """(step, protocol) pairs still to evaluate, oldest first, and the published steps whose export was
     deleted before every protocol ran on it. The exports on disk count as published: exports/published.txt adds
     the steps of those since rotated away, and a run whose list is lost (deleted; pretraining would start a new one
-    at its next checkpoint) still has every export evaluated, not reported as done with none."""
+    at its next checkpoint) still has every export evaluated, not reported as done with none. `suffix`: what the
+    results' names carry after the protocol's (`result_suffix`)."""
     todo, skipped = [], []
     for step in sorted(set(published_export_steps(run_dir)) | set(exported_steps(run_dir))):
-        missing = [p for p in protocols if not result_path(run_dir, p, step).is_file()]
+        missing = [p for p in protocols if not result_path(run_dir, p + suffix, step).is_file()]
         if not missing:
             continue
         if export_path(run_dir, step).is_file():
@@ -130,6 +133,37 @@ def pending(run_dir: Path, protocols: list[str]) -> tuple[list[tuple[int, str]],
         else:
             skipped.append(step)
     return todo, skipped
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's resolved config: RUN_DIR/config.yaml, which pretraining writes before its first export, else the
+    config inside the newest readable export ({} while there is neither)."""
+    path = run_dir / "config.yaml"
+    if path.is_file():
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    import torch
+
+    for step in sorted(exported_steps(run_dir), reverse=True):
+        try:
+            return torch.load(export_path(run_dir, step), map_location="cpu", weights_only=True, mmap=True)["config"]
+        except Exception:  # rotated away or unreadable: an older one will do, they share the run's config
+            continue
+    return {}
+
+
+def result_suffix(run_dir: Path, args: argparse.Namespace) -> str:
+    """What the protocols add to their results' names when run with this watcher's data options
+    (`eval.results.evaluation_suffix`): "" without any, or with the run's own data, side and crop."""
+    if all(getattr(args, name, None) is None for name in ("train", "val", "image_size", "crop_fraction")):
+        return ""
+    config = run_config(run_dir)
+    data = config.get("data", {}) or {}
+    return evaluation_suffix(config, Path(args.train or data.get("train") or ""),
+                             Path(args.val or data.get("val") or ""),
+                             args.image_size or evaluation_image_size(config) or 0,
+                             args.crop_fraction or evaluation_crop_fraction(config))
 
 
 def parse_protocol_arguments(protocol: str, argv: list[str]) -> argparse.Namespace:
@@ -216,7 +250,7 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = ev
             # finished.json is seen finished, and whatever it published is evaluated before the verdict.
             ended = job_has_ended(args.until_job, min(args.poll_seconds, 10.0)) if args.until_job else None
             finished = (run_dir / "finished.json").is_file()      # read first: the exports are complete by then
-            todo, skipped = pending(run_dir, protocols)
+            todo, skipped = pending(run_dir, protocols, result_suffix(run_dir, args))
             for step in skipped:
                 report_skip(step)
             last_of_step = {step: (step, protocol) for step, protocol in todo}   # the step's last protocol to run

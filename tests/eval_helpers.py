@@ -18,10 +18,16 @@ RESNET18_SMALL = create_backbone("resnet18", "small_stride2")
 
 def write_export(path: Path, state_dict: dict, arch: str = "resnet18", stem: str = "small_stride2",
                  train: str | Path = "train.beton", val: str | Path = "val.beton", step: int = 120,
-                 embedding_head: dict | None = None) -> Path:
-    """embedding_head: the export's {in_dim, hidden_dim, out_dim, num_layers, state_dict} (None: no head)."""
+                 embedding_head: dict | None = None, eval_image_size: int | None = None,
+                 eval_crop_fraction: float | None = None) -> Path:
+    """embedding_head: the export's {in_dim, hidden_dim, out_dim, num_layers, state_dict} (None: no head).
+    eval_image_size, eval_crop_fraction: the side and crop of the run's own evaluation (its config's
+    data.eval_image_size and data.eval_crop_fraction; None: left out, as in exports written before they existed:
+    the views' 32 px and 0.875). A result at another side or crop is named apart (`evaluation_suffix`)."""
+    evaluation = {"eval_image_size": eval_image_size, "eval_crop_fraction": eval_crop_fraction}
     config = {"data": {"train": str(train), "val": str(val), "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
-                       "views": [{"count": 2, "size": 32}], "num_workers": 0},
+                       "views": [{"count": 2, "size": 32}], "num_workers": 0,
+                       **{key: value for key, value in evaluation.items() if value is not None}},
               "model": {"arch": arch, "stem": stem}}
     path.parent.mkdir(parents=True, exist_ok=True)
     export = {"arch": arch, "stem": stem, "state_dict": state_dict, "config": config, "epoch": 3, "step": step}

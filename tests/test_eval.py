@@ -369,7 +369,7 @@ def test_cli_knn_end_to_end_on_digits(digits, tmp_path):
 def test_an_export_whose_config_sets_an_evaluation_side_is_scored_at_it(digits, tmp_path):
     """data.eval_image_size: the evaluation's side (here 24 px against the views' 32), what `eval knn` scores at by
     default; the backbone is still rebuilt for the views' side (a ViT's position embedding)."""
-    from eval.features import evaluation_image_size, trained_image_size
+    from eval.results import evaluation_image_size, trained_image_size
     from pretrain.data.loader import build_image_loader
 
     run = tmp_path / "run"

@@ -1,5 +1,5 @@
 """eval/results.py: a result's JSON, its extra files and its TensorBoard scalars, written again without a duplicate;
-on a full disk, an error that names the file."""
+on a full disk, an error that names the file; a result scored otherwise than the run's own evaluation named apart."""
 import json
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from eval.results import feature_cache_path, result_path, write_result
+from eval.results import evaluation_suffix, feature_cache_path, result_path, write_result
 
 
 def test_result_extra_file_and_scalars_once_however_often_written(tmp_path):
@@ -127,3 +127,18 @@ def test_the_table_over_seeds_groups_runs_that_differ_only_in_seed(tmp_path, cap
     twice = finished_run("d", 1, 0.5, 0.5)
     assert main(["table", str(runs[1]), str(twice), "--mean-over-seeds"]) == 2
     assert "the same settings and the same seed twice ([1, 1])" in capsys.readouterr().err
+
+
+def test_an_evaluation_at_another_side_crop_or_data_is_named_apart_from_the_runs_own(tmp_path):
+    """The run's own settings (its data, data.eval_image_size else the views' side, data.eval_crop_fraction else
+    0.875) name no suffix; each other setting adds its own, so no such result is written over the run's."""
+    train, val = tmp_path / "fm/train.beton", tmp_path / "fm/test.beton"
+    config = {"data": {"train": str(train), "val": str(val), "views": [{"count": 2, "size": 16}]}}
+    assert evaluation_suffix(config, train, val, 16, 0.875) == ""
+    assert evaluation_suffix(config, train, val, 24, 0.875) == "_at_24px"
+    assert evaluation_suffix(config, train, val, 16, 1.0) == "_crop1"
+    other = evaluation_suffix(config, train, tmp_path / "fm/search_val.beton", 24, 1.0)
+    assert other.startswith("_on_fm-search_val_") and other.endswith("_at_24px_crop1")
+    configured = {"data": {**config["data"], "eval_image_size": 24, "eval_crop_fraction": 1.0}}
+    assert evaluation_suffix(configured, train, val, 24, 1.0) == ""        # the side and crop its config names
+    assert evaluation_suffix(configured, train, val, 16, 0.875) == "_at_16px_crop0.875"

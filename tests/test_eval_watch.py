@@ -66,14 +66,16 @@ def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(di
 
 
 def finished_run_with_exports(run_dir: Path, digits: Path, steps: tuple[int, ...]) -> Path:
-    """A finished run directory with a published random-init ResNet-18 export (on the digits) at each of `steps`."""
+    """A finished run directory with a published random-init ResNet-18 export (on the digits) at each of `steps`,
+    evaluated at 16 px by its config."""
     from pretrain.models import create_backbone
     from tests.eval_helpers import write_export
 
     for step in steps:
         torch.manual_seed(step)
         write_export(run_dir / f"exports/backbone_step{step:08d}.pth", create_backbone("resnet18", "small_stride2")
-                     .state_dict(), train=digits / "train.beton", val=digits / "val.beton", step=step)
+                     .state_dict(), train=digits / "train.beton", val=digits / "val.beton", step=step,
+                     eval_image_size=16)
     (run_dir / "exports/published.txt").write_text("".join(f"{step}\n" for step in steps))
     (run_dir / "finished.json").write_text(json.dumps({"step": steps[-1], "epoch": 1}))
     return run_dir
@@ -189,3 +191,40 @@ def test_a_run_whose_published_list_is_gone_has_every_export_on_disk_evaluated(t
     assert evaluated == [3, 6, 9, 12]
     assert "every published checkpoint is evaluated (4 evaluations now, 0 checkpoints skipped)" in \
         capsys.readouterr().out
+
+
+def test_a_watcher_at_another_side_evaluates_each_export_once_beside_the_runs_own_results(digits, tmp_path, capsys):
+    """`eval watch --image-size 24` on a run scored at 16 px: the protocol writes knn_at_24px_step*.json (it used to
+    write over the run's own knn_step*.json), and the watcher looks for that name: it used to look for the run's own
+    and evaluate the same export again at every poll, never done. The run's own results stay as they were."""
+    from eval.__main__ import build_parser
+    from eval.watch import evaluate, watch
+
+    run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6))
+    own = {"step": 3, "top1": {"20": 0.5}}
+    (run_dir / "eval").mkdir()
+    (run_dir / "eval/knn_step0000003.json").write_text(json.dumps(own))
+    evaluated = []
+
+    def evaluate_once_each(argv):
+        step = int(argv[argv.index("--checkpoint") + 1][-12:-4])
+        assert step not in evaluated, f"step {step} evaluated twice: {evaluated}"
+        evaluated.append(step)
+        evaluate(argv)
+
+    args = build_parser().parse_args(["watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "0.1",
+                                      "--image-size", "24", "--num-workers", "1"])
+    assert watch(args, evaluate=evaluate_once_each) == 0
+    assert evaluated == [3, 6]
+    assert sorted(p.name for p in (run_dir / "eval").glob("knn*_step*.json")) == [
+        "knn_at_24px_step0000003.json", "knn_at_24px_step0000006.json", "knn_step0000003.json"]
+    assert json.loads((run_dir / "eval/knn_step0000003.json").read_text()) == own
+    assert json.loads((run_dir / "eval/knn_at_24px_step0000006.json").read_text())["image_size"] == 24
+    events = EventAccumulator(str(run_dir / "tb")).Reload()
+    assert [e.step for e in events.Scalars("eval_at_24px/knn_top1_k20")] == [3, 6]
+    # The run's own side, passed explicitly, is the run's own result: nothing left to do but step 6's.
+    evaluated.clear()
+    args = build_parser().parse_args(["watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "0.1",
+                                      "--image-size", "16", "--num-workers", "1"])
+    assert watch(args, evaluate=evaluate_once_each) == 0
+    assert evaluated == [6] and (run_dir / "eval/knn_step0000006.json").is_file()

@@ -149,7 +149,8 @@ def test_cli_retrieval_with_split_classes_writes_json_and_tensorboard(tmp_path, 
     train = write_small_set(tmp_path / "train.beton", [c % 5 for c in range(20)], seed=0)
     val = write_small_set(tmp_path / "val.beton", [c % 10 for c in range(40)], seed=1)
     run = tmp_path / "run"
-    write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=train, val=val, step=40)
+    write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=train, val=val, step=40,
+                 eval_image_size=16, eval_crop_fraction=1.0)
     argv = ["retrieval", "--run", str(run), "--device", "cpu", "--image-size", "16", "--crop-fraction", "1.0"]
     assert main([*argv, "--split-classes", "--chunk-size", "7"]) == 0
     result = json.loads((run / "eval" / "retrieval_step0000040.json").read_text())
@@ -254,7 +255,7 @@ def planted_export_and_features(tmp_path, monkeypatch, with_head: bool):
     entry = {"in_dim": 512, "hidden_dim": 32, "out_dim": 8, "num_layers": 2, "state_dict": head.state_dict()}
     run = tmp_path / "run"
     write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=tmp_path, val=tmp_path, step=40,
-                 embedding_head=entry if with_head else None)
+                 embedding_head=entry if with_head else None, eval_image_size=16)
     labels = torch.arange(30) % 4
     backbone = torch.randn(30, 512, generator=g) + 0.5 * torch.randn(4, 512, generator=g)[labels]
     features = {"train_features": backbone, "train_labels": labels, "val_features": backbone, "val_labels": labels}

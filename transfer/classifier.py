@@ -6,7 +6,8 @@ import torch
 from timm.models import group_parameters
 from torch import nn
 
-from eval.features import BackboneExport, trained_image_size
+from eval.features import BackboneExport
+from eval.results import trained_image_size
 from pretrain.models import create_backbone
 
 STARTS = ("export", "random")

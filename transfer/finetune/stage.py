@@ -21,9 +21,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eval.features import (BackboneExport, EvaluationInputError, evaluation_crop_fraction, evaluation_image_size,
-                           load_backbone_export, resolve_checkpoint_path)
-from eval.results import write_results
+from eval.features import BackboneExport, EvaluationInputError, load_backbone_export, resolve_checkpoint_path
+from eval.results import evaluation_crop_fraction, evaluation_image_size, write_results
 from pretrain.config import ConfigError
 from pretrain.data import DatasetError
 from pretrain.data.loader import build_image_loader, build_view_loader, check_training_data
