@@ -142,7 +142,6 @@ def evaluation_image_size(config: dict[str, Any]) -> int | None:
     return int(config.get("data", {}).get("eval_image_size") or 0) or trained_image_size(config)
 
 
-
 class EvaluatedExport(Protocol):
     """What `write_results` reads of its `inputs` (eval's EvaluationInputs, transfer's FinetuneInputs)."""
 

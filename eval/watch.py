@@ -6,12 +6,12 @@ temporary name and renamed (a file that is there is complete), and appends its s
 exports/published.txt. For every step published or exported (an export on disk is complete, so one whose step is
 not listed, e.g. after published.txt was deleted, is evaluated all the same) and every protocol without a result
 RUN_DIR/eval/<protocol>_stepNNNNNNN.json (with --train, --val, --image-size or --crop-fraction other than the run's
-own, the name the protocol gives such a result, e.g. knn_at_24px_stepNNNNNNN.json), oldest step first, the watcher runs the protocol on that export
-(`python -m eval <protocol> --checkpoint EXPORT --run RUN_DIR`): the JSON, written last and atomically, is the
-record that it is done, and its TensorBoard scalars land in RUN_DIR/tb at that step, next to the training
-curves. A watcher killed mid-evaluation and restarted therefore evaluates nothing twice and completes the
-interrupted one. An export deleted before it was evaluated (a retention set with engine.keep_exports) is
-listed as skipped. One watcher per run: RUN_DIR/eval/watch.lock. A step's cached features
+own, the name the protocol gives such a result, e.g. knn_at_24px_stepNNNNNNN.json), oldest step first, the
+watcher runs the protocol on that export (`python -m eval <protocol> --checkpoint EXPORT --run RUN_DIR`): the
+JSON, written last and atomically, is the record that it is done, and its TensorBoard scalars land in RUN_DIR/tb
+at that step, next to the training curves. A watcher killed mid-evaluation and restarted therefore evaluates
+nothing twice and completes the interrupted one. An export deleted before it was evaluated (a retention set with
+engine.keep_exports) is listed as skipped. One watcher per run: RUN_DIR/eval/watch.lock. A step's cached features
 (RUN_DIR/eval/features_stepNNNNNNN.pt, as large as the features of the training set) are deleted once every
 protocol has run on it.
 
