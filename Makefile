@@ -33,20 +33,19 @@ demo: install
 demo-detection: install
 	$(PY) -m launch.demo --detection
 
-# The real-Slurm tests (-m slurm) spend most of their six minutes waiting for the scheduler (1-minute time limits,
-# requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others',
-# with the tests marked beside_slurm (two long files), which fill its idle minutes.
+# The real-Slurm tests (-m slurm) spend most of their four minutes waiting for the scheduler (1-minute time limits,
+# requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others'.
 # The suite fails when either fails. (A background job of make's shell starts with Ctrl-C ignored: its pytest takes
 # Ctrl-C back, so that it stops its Slurm cluster on an interrupt as the others' pytest does.)
-SLURM_TESTS := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(["-m", "slurm or beside_slurm"]))
+SLURM_TESTS := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(["-m", "slurm"]))
 test: install
 	@slurm_log=$$(mktemp); \
 	$(PY) -c '$(SLURM_TESTS)' > $$slurm_log 2>&1 & slurm_tests=$$!; \
 	trap 'kill -INT $$slurm_tests 2>/dev/null; wait $$slurm_tests; cat $$slurm_log; rm -f $$slurm_log; exit 130' INT TERM; \
-	$(PY) -m pytest -m "not slurm and not beside_slurm"; others=$$?; \
+	$(PY) -m pytest -m "not slurm"; others=$$?; \
 	wait $$slurm_tests; slurm=$$?; \
-	echo "== the real-Slurm tests and those marked beside_slurm (pytest -m 'slurm or beside_slurm'), run beside the others:"; cat $$slurm_log; rm -f $$slurm_log; \
-	echo "== pytest -m 'not slurm and not beside_slurm': exit status $$others; pytest -m 'slurm or beside_slurm': exit status $$slurm"; \
+	echo "== the real-Slurm tests (pytest -m slurm), run beside the others:"; cat $$slurm_log; rm -f $$slurm_log; \
+	echo "== pytest -m 'not slurm': exit status $$others; pytest -m slurm: exit status $$slurm"; \
 	test $$others = 0 -a $$slurm = 0
 
 test-fast: install

@@ -21,8 +21,6 @@ import torch
 
 from tests.engine_helpers import DINO_MULTI_CROP
 
-pytestmark = pytest.mark.beside_slurm   # make test runs this file beside the real-Slurm tests (Makefile)
-
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs/pretrain"
 GLOBAL_BATCH = 8

@@ -17,8 +17,6 @@ from tests import forked_runs
 from tests.conftest import wait_for
 from tests.run_helpers import ROOT, kill_process_tree
 
-pytestmark = pytest.mark.beside_slurm   # make test runs this file beside the real-Slurm tests (Makefile)
-
 CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
 RECIPE = str(ROOT / "configs/transfer/finetune_digits.yaml")
 # 8 px views and evaluation: the same jobs as the shipped files', each export scored in about a second
