@@ -167,18 +167,22 @@ def data_suffix(config: Mapping[str, Any] | None, train_path: Path, val_path: Pa
     return f"_on_{val_name}_{digest}"
 
 
-def evaluation_suffix(config: Mapping[str, Any] | None, train_path: Path, val_path: Path, image_size: int,
-                      crop_fraction: float) -> str:
+def evaluation_suffix(config: Mapping[str, Any] | None, train_path: str | Path | None = None,
+                      val_path: str | Path | None = None, image_size: int | None = None,
+                      crop_fraction: float | None = None) -> str:
     """What sets an evaluation apart from its run's own, as a suffix of the protocol's name: "" with the export
-    config's data, side (`evaluation_image_size`) and crop (`evaluation_crop_fraction`); else `data_suffix`, then
-    `_at_{N}px` for another side, then `_crop{F}` for another crop fraction. A result scored otherwise is thus
-    never written over the run's own (`eval knn --run R --image-size 24` beside the 16 px result)."""
+    config's data, side (`evaluation_image_size`) and crop (`evaluation_crop_fraction`), which is what None means
+    for each; else `data_suffix`, then `_at_{N}px` for another side, then `_crop{F}` for another crop fraction. A
+    result scored otherwise is thus never written over the run's own (`eval knn --run R --image-size 24` beside the
+    16 px result)."""
     config = config or {}
-    suffix = data_suffix(config, train_path, val_path)
+    data = config.get("data", {}) or {}
+    suffix = data_suffix(config, Path(train_path if train_path is not None else data.get("train") or ""),
+                         Path(val_path if val_path is not None else data.get("val") or ""))
     own_side = evaluation_image_size(config)
-    if own_side is not None and int(image_size) != own_side:
+    if image_size is not None and own_side is not None and int(image_size) != own_side:
         suffix += f"_at_{int(image_size)}px"
-    if not math.isclose(float(crop_fraction), evaluation_crop_fraction(config)):
+    if crop_fraction is not None and not math.isclose(float(crop_fraction), evaluation_crop_fraction(config)):
         suffix += f"_crop{float(crop_fraction):g}"
     return suffix
 

@@ -41,8 +41,7 @@ from pathlib import Path
 from eval import knn, linear, retrieval
 from eval.features import EvaluationInputError
 from eval.inputs import add_data_options
-from eval.results import (evaluation_crop_fraction, evaluation_image_size, evaluation_suffix,
-                          feature_cache_path, result_path)
+from eval.results import evaluation_suffix, feature_cache_path, result_path
 from pretrain.export import EXPORTS, export_path, published_export_steps
 from pretrain.runtime.argument_types import CommandLineParser, number
 from pretrain.runtime.graceful_stop import PENDING_STOP_SIGNAL
@@ -157,13 +156,8 @@ def result_suffix(run_dir: Path, args: argparse.Namespace) -> str:
     """What the protocols add to their results' names when run with this watcher's data options
     (`eval.results.evaluation_suffix`): "" without any, or with the run's own data, side and crop."""
     if all(getattr(args, name, None) is None for name in ("train", "val", "image_size", "crop_fraction")):
-        return ""
-    config = run_config(run_dir)
-    data = config.get("data", {}) or {}
-    return evaluation_suffix(config, Path(args.train or data.get("train") or ""),
-                             Path(args.val or data.get("val") or ""),
-                             args.image_size or evaluation_image_size(config) or 0,
-                             args.crop_fraction or evaluation_crop_fraction(config))
+        return ""                                   # the run's own: no config to read
+    return evaluation_suffix(run_config(run_dir), args.train, args.val, args.image_size, args.crop_fraction)
 
 
 def parse_protocol_arguments(protocol: str, argv: list[str]) -> argparse.Namespace:
