@@ -49,6 +49,9 @@ its runs' metrics.jsonl (cores, torch threads, the 1-minute load average at ever
 the cores says another process shared the machine, and the row's minutes bought less training. The table
 names the command and the commit (git rev-parse HEAD) that made it.
 
+`--rows A,B` runs (or tables) only the rows named, e.g. references_16px,simclr_20min; the others are left as they
+are.
+
 `--finished-only` writes the same three files from the runs finished so far and submits nothing: a long benchmark's
 table while it is under way, each row over its finished seeds, the runs still to come named in the table.
 """
@@ -63,7 +66,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from eval.results import made_by
-from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark
+from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark, select_rows
 from launch.benchmark_results import markdown, plot, read_run, summarise
 from launch.cluster import add_cluster_arguments, cluster_options
 from launch.jobs import Step
@@ -117,6 +120,8 @@ class BenchmarkJobs(TrialJobs):
 def run(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs) -> int:
     options = cluster_options(args)
     rows = load_benchmark(args.file)
+    if args.rows:
+        rows = select_rows(args.file, rows, args.rows)
     for row in rows:
         check_data(args.file, row)
     out_dir = Path(args.out_dir).resolve()
@@ -184,6 +189,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", action="store_true",
                         help="keep each finished run's checkpoints and exports (default: removed once it is scored; "
                              "its results, metrics, logs and final backbone.pth stay)")
+    parser.add_argument("--rows", type=lambda value: [name for name in value.split(",") if name], default=None,
+                        metavar="NAME[,NAME...]",
+                        help="only these rows of the file (their names; the references are references_{N}px), e.g. "
+                             "the cheap ones first; default: every row")
     parser.add_argument("--finished-only", action="store_true",
                         help="write the table and the plot of the runs finished so far, each row over its finished "
                              "seeds, and submit nothing (e.g. while a long benchmark is under way)")

@@ -212,6 +212,15 @@ def load_benchmark(path: str) -> list[Row]:
     return rows
 
 
+def select_rows(path: str, rows: list[Row], names: list[str]) -> list[Row]:
+    """The rows named (`--rows`), in the file's order: e.g. the cheap rows first, or a file's rows split between
+    machines. A name the file does not have is refused with the names it has."""
+    unknown = [name for name in names if name not in {row.name for row in rows}]
+    if unknown:
+        raise LaunchError(f"{path} has no row {', '.join(unknown)} (its rows: {', '.join(row.name for row in rows)})")
+    return [row for row in rows if row.name in names]
+
+
 def check_same_benchmark(out_dir: Path, rows: list[Row]) -> None:
     """A benchmark directory holds one benchmark's runs: a row found again under its name must have the settings it
     ran with (new rows and new seeds are welcome; a row none of whose runs has started yet may change, e.g. its

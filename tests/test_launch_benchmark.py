@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.benchmark_file import Row, check_same_benchmark, load_benchmark
+from launch.benchmark_file import Row, check_same_benchmark, load_benchmark, select_rows
 from launch.benchmark_results import FINAL, Run, mark_keys, row_curve
 from launch.cluster import LaunchError
 from tests import forked_runs
@@ -156,6 +156,22 @@ def test_a_bad_file_or_reference_is_refused_and_the_command_writes_nothing(tmp_p
     assert main(["benchmark", str(missing), "--cluster", "local", "--out-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert "row simclr: data.train=nowhere.beton does not exist" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_rows_runs_the_named_rows_in_the_files_order_and_an_unknown_name_is_refused_with_the_files_names(
+        tmp_path, capsys):
+    from launch.__main__ import main
+
+    file = write_benchmark(tmp_path / "two.yaml", [ROW, {**ROW, "name": "simclr_hvs"}],
+                           {"config": CONFIG, "image_sizes": [8]})
+    rows = load_benchmark(str(file))
+    picked = select_rows(str(file), rows, ["simclr_hvs", "references_8px"])
+    assert [row.name for row in picked] == ["references_8px", "simclr_hvs"]
+    out = tmp_path / "out"
+    assert main(["benchmark", str(file), "--rows", "simclr,dino", "--cluster", "local", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{file} has no row dino (its rows: references_8px, simclr, simclr_hvs)" in err, err
     assert not out.exists()
 
 
