@@ -33,7 +33,7 @@ demo: install
 demo-detection: install
 	$(PY) -m launch.demo --detection
 
-# The real-Slurm tests (-m slurm) spend most of their four minutes waiting for the scheduler (1-minute time limits,
+# The real-Slurm tests (-m slurm) spend most of their minutes (4-8) waiting for the scheduler (1-minute time limits,
 # requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others'.
 # The suite fails when either fails. (A background job of make's shell starts with Ctrl-C ignored: its pytest takes
 # Ctrl-C back, so that it stops its Slurm cluster on an interrupt as the others' pytest does.)

@@ -69,6 +69,7 @@ from eval.results import made_by
 from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark, select_rows
 from launch.benchmark_results import markdown, plot, read_run, summarise
 from launch.cluster import add_cluster_arguments, cluster_options
+from launch.eval_watch import split
 from launch.jobs import Step
 from launch.trials import TrialJobs
 from pretrain.runtime.argument_types import output_folder, positive_int
@@ -189,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", action="store_true",
                         help="keep each finished run's checkpoints and exports (default: removed once it is scored; "
                              "its results, metrics, logs and final backbone.pth stay)")
-    parser.add_argument("--rows", type=lambda value: [name for name in value.split(",") if name], default=None,
+    parser.add_argument("--rows", type=split, default=None,
                         metavar="NAME[,NAME...]",
                         help="only these rows of the file (their names; the references are references_{N}px), e.g. "
                              "the cheap ones first; default: every row")

@@ -215,7 +215,8 @@ def load_benchmark(path: str) -> list[Row]:
 def select_rows(path: str, rows: list[Row], names: list[str]) -> list[Row]:
     """The rows named (`--rows`), in the file's order: e.g. the cheap rows first, or a file's rows split between
     machines. A name the file does not have is refused with the names it has."""
-    unknown = [name for name in names if name not in {row.name for row in rows}]
+    known = {row.name for row in rows}
+    unknown = [name for name in names if name not in known]
     if unknown:
         raise LaunchError(f"{path} has no row {', '.join(unknown)} (its rows: {', '.join(row.name for row in rows)})")
     return [row for row in rows if row.name in names]
