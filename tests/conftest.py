@@ -16,6 +16,11 @@ from pathlib import Path
 
 import pytest
 
+# The suite's own processes (the pytest workers, whose tests step models in-process) get the OpenMP wait policy the
+# commands get: pretrain sets it before torch loads, and a test module that imports torch first would load it with
+# libgomp's default spin, which spends a taken core waiting beside the other worker (pretrain/__init__.py).
+import pretrain  # noqa: F401,E402
+
 
 def write_digits_with_the_cli(out_dir: Path, *args: str) -> Path:
     """OUT_DIR with the digits written by `python -m pretrain.data write-digits --out-dir OUT_DIR ARGS`."""
