@@ -49,8 +49,8 @@ its runs' metrics.jsonl (cores, torch threads, the 1-minute load average at ever
 the cores says another process shared the machine, and the row's minutes bought less training. The table
 names the command and the commit (git rev-parse HEAD) that made it.
 
-`--rows A,B` runs (or tables) only the rows named, e.g. references_16px,simclr_20min; the others are left as they
-are.
+`--rows A,B` runs (or tables) only the rows named, e.g. references_16px,simclr_20min; `--seeds 0` only those seeds
+of each row, e.g. one seed of every row before the others; the other runs are left as they are.
 
 `--finished-only` writes the same three files from the runs finished so far and submits nothing: a long benchmark's
 table while it is under way, each row over its finished seeds, the runs still to come named in the table.
@@ -66,13 +66,13 @@ from pathlib import Path
 from typing import ClassVar
 
 from eval.results import made_by
-from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark, select_rows
+from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark, select_rows, select_seeds
 from launch.benchmark_results import markdown, plot, read_run, summarise
 from launch.cluster import add_cluster_arguments, cluster_options
 from launch.eval_watch import split
 from launch.jobs import Step
 from launch.trials import TrialJobs
-from pretrain.runtime.argument_types import output_folder, positive_int
+from pretrain.runtime.argument_types import number_list, output_folder, positive_int
 from pretrain.runtime.atomic_write import write_text_atomically
 
 HELP = "a benchmark file's rows as jobs: the table and the plot of accuracy against minutes of training"
@@ -123,6 +123,8 @@ def run(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs)
     rows = load_benchmark(args.file)
     if args.rows:
         rows = select_rows(args.file, rows, args.rows)
+    if args.seeds:
+        rows = select_seeds(args.file, rows, args.seeds)
     for row in rows:
         check_data(args.file, row)
     out_dir = Path(args.out_dir).resolve()
@@ -194,6 +196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="NAME[,NAME...]",
                         help="only these rows of the file (their names; the references are references_{N}px), e.g. "
                              "the cheap ones first; default: every row")
+    parser.add_argument("--seeds", type=number_list(int, at_least=0), default=None, metavar="S[,S...]",
+                        help="only these seeds of each row (the rows without any of them left out), e.g. one seed of "
+                             "every row before the others; default: every row's seeds")
     parser.add_argument("--finished-only", action="store_true",
                         help="write the table and the plot of the runs finished so far, each row over its finished "
                              "seeds, and submit nothing (e.g. while a long benchmark is under way)")

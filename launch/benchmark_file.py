@@ -7,7 +7,7 @@ import difflib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -220,6 +220,18 @@ def select_rows(path: str, rows: list[Row], names: list[str]) -> list[Row]:
     if unknown:
         raise LaunchError(f"{path} has no row {', '.join(unknown)} (its rows: {', '.join(row.name for row in rows)})")
     return [row for row in rows if row.name in names]
+
+
+def select_seeds(path: str, rows: list[Row], seeds: list[int]) -> list[Row]:
+    """Each row with only the seeds named (`--seeds`), the rows without any of them left out: e.g. one seed of every
+    row before the others. A seed no row has is refused with the seeds the rows have."""
+    known = sorted({seed for row in rows for seed in row.seeds})
+    unknown = [seed for seed in seeds if seed not in known]
+    if unknown:
+        raise LaunchError(f"{path}: no row has seed {', '.join(map(str, unknown))} (the rows' seeds: "
+                          f"{', '.join(map(str, known))})")
+    return [replace(row, seeds=tuple(seed for seed in row.seeds if seed in seeds)) for row in rows
+            if set(row.seeds) & set(seeds)]
 
 
 def check_same_benchmark(out_dir: Path, rows: list[Row]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.benchmark_file import Row, check_same_benchmark, load_benchmark, select_rows
+from launch.benchmark_file import Row, check_same_benchmark, load_benchmark, select_rows, select_seeds
 from launch.benchmark_results import FINAL, Run, mark_keys, row_curve
 from launch.cluster import LaunchError
 from tests import forked_runs
@@ -172,6 +172,25 @@ def test_rows_runs_the_named_rows_in_the_files_order_and_an_unknown_name_is_refu
     assert main(["benchmark", str(file), "--rows", "simclr,dino", "--cluster", "local", "--out-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{file} has no row dino (its rows: references_8px, simclr, simclr_hvs)" in err, err
+    assert not out.exists()
+
+
+def test_seeds_keeps_each_rows_named_seeds_leaves_out_the_rows_without_them_and_refuses_a_seed_no_row_has(
+        tmp_path, capsys):
+    from launch.__main__ import main
+
+    file = write_benchmark(tmp_path / "two.yaml", [{**ROW, "seeds": [0, 1, 2]},
+                                                   {**ROW, "name": "simclr_hvs", "seeds": [1]}],
+                           {"config": CONFIG, "image_sizes": [8]})
+    rows = load_benchmark(str(file))
+    assert [(row.name, row.seeds) for row in select_seeds(str(file), rows, [0, 2])] == [
+        ("references_8px", (0,)), ("simclr", (0, 2))]
+    assert [(row.name, row.seeds) for row in select_seeds(str(file), rows, [1])] == [("simclr", (1,)),
+                                                                                     ("simclr_hvs", (1,))]
+    out = tmp_path / "out"
+    assert main(["benchmark", str(file), "--seeds", "1,7", "--cluster", "local", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{file}: no row has seed 7 (the rows' seeds: 0, 1, 2)" in err, err
     assert not out.exists()
 
 
