@@ -178,7 +178,25 @@ def markdown(entries: list[dict], made_by: str) -> str:
         lines.append(f"| {entry['label']} | {entry['budget']} | {', '.join(map(str, entry['seeds']))} | "
                      f"{cell(entry['knn'])} | {cell(entry['linear'])} | {by_seed[0]} | {by_seed[1]} | {minutes} | "
                      f"{steps} | {entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} |")
-    return "\n".join(lines)
+    return "\n".join(lines + along_the_way(entries))
+
+
+def along_the_way(entries: list[dict]) -> list[str]:
+    """The rows' curves as a table, for comparing rows at equal minutes: a column per mark, each cell the mark's
+    minutes of training and k-NN / linear (mean ± std over the seeds, as the plot draws them)."""
+    curves = [entry for entry in entries if entry.get("curve") and entry["curve"]["linear"]]
+    if not curves:
+        return []
+    width = max(len(entry["curve"]["linear"]) for entry in curves)
+    lines = ["", "Along the way: at each mark, the minutes of training (mean over the seeds), then k-NN / linear; the "
+             "last mark is the budget's end.", "",
+             "| row | " + " | ".join(f"mark {i + 1}" for i in range(width)) + " |", "| --- |" + " --- |" * width]
+    for entry in curves:
+        linear = entry["curve"]["linear"]
+        knn = entry["curve"]["knn"] if len(entry["curve"]["knn"]) == len(linear) else [None] * len(linear)
+        cells = [f"{lin['minutes']:.1f} min: {cell(k)} / {cell(lin)}" for k, lin in zip(knn, linear)]
+        lines.append(f"| {entry['label']} | " + " | ".join(cells + [""] * (width - len(cells))) + " |")
+    return lines
 
 
 CURVE_MARKERS = ("o", "s", "^", "D")

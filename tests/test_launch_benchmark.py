@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from launch.benchmark_file import Row, check_same_benchmark, load_benchmark, select_rows, select_seeds
-from launch.benchmark_results import FINAL, Run, mark_keys, row_curve
+from launch.benchmark_results import FINAL, Run, mark_keys, markdown, row_curve, summarise
 from launch.cluster import LaunchError
 from tests import forked_runs
 from tests.conftest import wait_for
@@ -113,6 +113,24 @@ def test_the_seeds_curves_are_averaged_mark_by_mark():
     supervised = points(0.3, 0.6, 0.7, epochs=[0, 1, 2])
     mark_keys(Row(name="x", label="x", kind="supervised", config="c", minutes=1.0), supervised)
     assert [p["key"] for p in supervised] == [0, 1, FINAL] and "epoch" not in supervised[0]
+
+
+def test_the_table_shows_each_rows_curve_mark_by_mark_for_comparing_rows_at_equal_minutes():
+    """Below the finals, a column per mark: its minutes (mean over the seeds), then k-NN / linear, mean ± std over
+    the seeds; a supervised row has no k-NN; a row with fewer marks leaves the last cells empty."""
+    machine = {"cores": 2, "threads": 2, "load_median": 1.8, "load_max": 2.1}
+    pretrain = Row(name="p", label="SimCLR", kind="pretrain", config="c", seeds=(0, 1), minutes=1.0, marks=2)
+    runs = [Run(0, "a", points(0.5, 1.0), machine), Run(1, "b", points(0.52, 1.02), machine)]
+    supervised = Row(name="s", label="cross-entropy", kind="supervised", config="c", minutes=1.0)
+    single = [Run(0, "c", [{**p, "knn": None} for p in points(0.3, 0.6, 0.9, epochs=[0, 1, 2])], machine)]
+    for row, row_runs in ((pretrain, runs), (supervised, single)):
+        for run in row_runs:
+            mark_keys(row, run.points)
+    table = markdown(summarise(pretrain, runs) + summarise(supervised, single), "made by test").splitlines()
+    assert table[table.index("| row | mark 1 | mark 2 | mark 3 |") + 1] == "| --- | --- | --- | --- |"
+    assert "| SimCLR | 0.5 min: 55.10% ± 0.14 / 65.10% ± 0.14 | 1.0 min: 60.10% ± 0.14 / 70.10% ± 0.14 |  |" in table
+    assert "| cross-entropy (classifier top-1) | 0.3 min: - / 63.00% | 0.6 min: - / 66.00% | 0.9 min: - / 69.00% |" \
+        in table
 
 
 ROW = {"name": "simclr", "config": CONFIG, "minutes": 1, "marks": 6}
