@@ -35,9 +35,6 @@ demo-detection: install
 
 # The real-Slurm tests (-m slurm) spend most of their minutes (4-8) waiting for the scheduler (1-minute time limits,
 # requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others'.
-# The others run in two pytest-xdist workers, a test file to a worker (--dist loadfile: a file's module fixtures, such
-# as the distributed-equality runs, are built once): 12 min 55 s in a fresh clone, against 15 min 36 s in one pytest
-# process and 13 min 37 s in three workers (docs/tests.md).
 # The suite fails when either fails. (A background job of make's shell starts with Ctrl-C ignored: its pytest takes
 # Ctrl-C back, so that it stops its Slurm cluster on an interrupt as the others' pytest does.)
 SLURM_TESTS := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(["-m", "slurm"]))
@@ -45,7 +42,7 @@ test: install
 	@slurm_log=$$(mktemp); \
 	$(PY) -c '$(SLURM_TESTS)' > $$slurm_log 2>&1 & slurm_tests=$$!; \
 	trap 'kill -INT $$slurm_tests 2>/dev/null; wait $$slurm_tests; cat $$slurm_log; rm -f $$slurm_log; exit 130' INT TERM; \
-	$(PY) -m pytest -m "not slurm" -n 2 --dist loadfile; others=$$?; \
+	$(PY) -m pytest -m "not slurm"; others=$$?; \
 	wait $$slurm_tests; slurm=$$?; \
 	echo "== the real-Slurm tests (pytest -m slurm), run beside the others:"; cat $$slurm_log; rm -f $$slurm_log; \
 	echo "== pytest -m 'not slurm': exit status $$others; pytest -m slurm: exit status $$slurm"; \
