@@ -44,8 +44,8 @@ else).
 
 Written to DIR: table.md (also printed; the finals, then each row's curve a column per mark), table.json (every
 run's points, the rows' curves and finals, the machine state) and curves.png (k-NN and linear against minutes of
-training, one line per row: the mean over seeds, the band one standard deviation; the references as horizontal lines). The machine's state of each row is read from
-its runs' metrics.jsonl (cores, torch threads, the 1-minute load average at every logged step): a load above
+training, one line per row: the mean over seeds, the band one standard deviation; the references as horizontal
+lines). The machine's state of each row is read from its runs' metrics.jsonl (cores, torch threads, the 1-minute load average at every logged step): a load above
 the cores says another process shared the machine, and the row's minutes bought less training. The table
 names the command and the commit (git rev-parse HEAD) that made it.
 
