@@ -45,9 +45,9 @@ else).
 Written to DIR: table.md (also printed; the finals, then each row's curve a column per mark), table.json (every
 run's points, the rows' curves and finals, the machine state) and curves.png (k-NN and linear against minutes of
 training, one line per row: the mean over seeds, the band one standard deviation; the references as horizontal
-lines). The machine's state of each row is read from its runs' metrics.jsonl (cores, torch threads, the 1-minute load average at every logged step): a load above
-the cores says another process shared the machine, and the row's minutes bought less training. The table
-names the command and the commit (git rev-parse HEAD) that made it.
+lines). The machine's state of each row is read from its runs' metrics.jsonl (cores, torch threads, the 1-minute
+load average at every logged step): a load above the cores says another process shared the machine, and the row's
+minutes bought less training. The table names the command and the commit (git rev-parse HEAD) that made it.
 
 `--rows A,B` runs (or tables) only the rows named, e.g. references_16px,simclr_20min; `--seeds 0` only those seeds
 of each row, e.g. one seed of every row before the others; the other runs are left as they are.
