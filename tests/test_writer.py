@@ -194,6 +194,14 @@ def test_a_killed_write_leaves_the_previous_beton_untouched(tmp_path):
     assert out.read_bytes() == before                        # the old file, whole
     assert Reader(str(out)).num_samples == 5
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".beton") == ["data.beton"]
+    # The next write removes what the killed one left: its partial file and FFCV's shared memory (its resource
+    # tracker died with it), which would otherwise stay in /dev/shm until the machine restarts.
+    segment = Path("/dev/shm") / (tmp_path / ".data.beton.partial.shm").read_text()
+    assert segment.exists()
+    again = subprocess.run([sys.executable, "-c", script, str(out), "5", "0"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert "written" in again.stdout and f"the shared memory {segment.name}" in again.stderr, again.stderr[-2000:]
+    assert not segment.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["data.beton"]
 
 
 def test_sixteen_bit_grayscale_png_is_scaled_to_eight_bits(tmp_path):
@@ -357,6 +365,42 @@ def test_a_second_write_to_the_same_file_while_one_runs_is_refused(tmp_path):
         with pytest.raises(DatasetError, match="another write to .*x.beton is in progress"):
             write_beton(out, ArrayImageSet(lambda i: np.zeros((8, 8, 3), np.uint8), [0], None), write_mode="raw")
     assert not out.exists() and not (tmp_path / ".x.beton.partial").exists()
+
+
+def failing_image(index: int) -> np.ndarray:
+    """An image loader whose sample 40 fails in FFCV's worker: an exception, or the worker killed outright (a segfault
+    or the OOM killer)."""
+    if index == 40:
+        if os.environ.get("HARDVIEW_TEST_FAILURE") == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("this image cannot be loaded")
+    return np.zeros((8, 8, 3), np.uint8)
+
+
+@pytest.mark.parametrize("failure, exit", [("raise", "exit status 1"), ("kill", "signal SIGKILL")])
+def test_a_writer_worker_that_ends_early_fails_the_write_by_its_exit_and_leaves_nothing(tmp_path, monkeypatch, capfd,
+                                                                                       failure, exit):
+    """FFCV's writer waits for its workers' progress without looking at them: a worker that ended before the write
+    was done made the write wait forever. The write now fails within a second or two, naming the worker's exit,
+    with nothing left behind (no partial file, no shared memory, the lock released for the next write)."""
+    from multiprocessing import resource_tracker
+
+    from pretrain.data.writer import ArrayImageSet, write_beton
+
+    monkeypatch.setenv("HARDVIEW_TEST_FAILURE", failure)
+    out = tmp_path / "x.beton"
+    resource_tracker.ensure_running()          # a child of this process from the first shared memory on, not a worker
+    children_before = set(worker_pids(os.getpid()))
+    with pytest.raises(ChildProcessError, match=rf"an FFCV writer worker \(pid \d+\) ended with {exit} before the "
+                                                rf"write to {tmp_path} was done.*run the write again"):
+        write_beton(out, ArrayImageSet(failing_image, [0] * 200, None), write_mode="raw", workers=2)
+    if failure == "raise":
+        assert "RuntimeError: this image cannot be loaded" in capfd.readouterr().err   # the worker's traceback
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+    assert set(worker_pids(os.getpid())) <= children_before                  # both workers ended and reaped
+    monkeypatch.setenv("HARDVIEW_TEST_FAILURE", "none")
+    write_beton(out, ArrayImageSet(lambda i: np.zeros((8, 8, 3), np.uint8), [0, 1], None), write_mode="raw")
+    assert read_fields(out)["label"].tolist() == [0, 1]
 
 
 def test_float_tiffs_are_scaled_from_0_1_or_skipped_by_name(tmp_path):

@@ -282,7 +282,8 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
         writer = RecordingWriter(str(tmp), fields, page_size=page_size, num_workers=max(1, workers))
         try:
             with children_die_with_their_parent():
-                run_watching_the_disk(lambda: writer.from_indexed_dataset(dataset, chunksize=64), tmp, page_size)
+                run_watching_workers_and_disk(lambda: writer.from_indexed_dataset(dataset, chunksize=64), tmp,
+                                              page_size)
         except OSError:
             metadata = getattr(writer, "metadata_sm", None)      # FFCV's shared memory, which it frees on success
             if metadata is not None:
@@ -364,11 +365,16 @@ def children_die_with_their_parent() -> Iterator[None]:
         _CHILDREN_DIE_WITH_THEIR_PARENT = False
 
 
-def run_watching_the_disk(write, tmp: Path, page_size: int, stalled_s: float = 5.0, poll_s: float = 0.5) -> None:
-    """Run FFCV's `write()` while watching the file it writes: when the filesystem is full and the file has not
-    grown for `stalled_s`, FFCV's worker processes have died on ENOSPC and its parent would wait for them forever.
-    Then the workers are terminated and an OSError says "no space left on device" (the caller removes the
-    partial file). FFCV's own errors are raised as they are."""
+def run_watching_workers_and_disk(write, tmp: Path, page_size: int, stalled_s: float = 5.0,
+                                  poll_s: float = 0.5) -> None:
+    """Run FFCV's `write()` while watching its worker processes and the file it writes. FFCV's parent waits for
+    its workers' progress without looking at them, so it would wait forever in two cases:
+    - a worker ended before the write was done (an exception in the dataset, a segfault, the OOM killer): the
+      other workers are terminated and a ChildProcessError names the worker's exit (its traceback, if any, is
+      above on stderr);
+    - the filesystem is full and the file has not grown for `stalled_s` (the workers died on ENOSPC): the workers
+      are terminated and an OSError says "no space left on device".
+    Either way the caller removes the partial file. FFCV's own errors are raised as they are."""
     outcome: list[BaseException | None] = []
 
     def target() -> None:
@@ -378,23 +384,61 @@ def run_watching_the_disk(write, tmp: Path, page_size: int, stalled_s: float = 5
         except BaseException as error:              # handed to the calling thread
             outcome.append(error)
 
+    children_before = set(child_processes())
     thread = threading.Thread(target=target, name="ffcv-writer", daemon=True)   # a stuck one dies with us
     thread.start()
     size, since = -1, time.monotonic()
     while thread.is_alive():
         thread.join(poll_s)
+        ended = {pid: status for pid, status in child_processes().items()
+                 if pid not in children_before and status not in (None, 0)}
+        if ended and thread.is_alive():
+            stop_workers(children_before)
+            pid, status = next(iter(ended.items()))
+            code = os.waitstatus_to_exitcode(status)
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            raise ChildProcessError(f"an FFCV writer worker (pid {pid}) ended with {how} before the write to "
+                                    f"{tmp.parent} was done (its error, if it printed one, is above); nothing was "
+                                    "written: run the write again")
         current = tmp.stat().st_size if tmp.exists() else 0
         if current != size:
             size, since = current, time.monotonic()
             continue
         if time.monotonic() - since > stalled_s and shutil.disk_usage(tmp.parent).free < page_size:
-            for child in multiprocessing.active_children():
-                child.terminate()
+            stop_workers(children_before)
             raise OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
                                         f"({shutil.disk_usage(tmp.parent).free} bytes free): free some space, "
                                         "or write the .beton elsewhere (--out)")
     if outcome and outcome[0] is not None:
         raise outcome[0]
+
+
+def stop_workers(children_before: set[int]) -> None:
+    """Terminate this process's multiprocessing children but those in `children_before` (FFCV's writer workers are
+    the others), and reap them."""
+    workers = [child for child in multiprocessing.active_children() if child.pid not in children_before]
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.join(5)
+
+
+def child_processes() -> dict[int, int | None]:
+    """This process's children (Linux): pid -> None while it runs, its wait status once it has ended and is not
+    yet reaped (a zombie: the status is read from /proc without reaping it, so multiprocessing still joins it)."""
+    children: dict[int, int | None] = {}
+    for listing in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = [int(pid) for pid in listing.read_text().split()]
+        except OSError:                             # a thread that ended meanwhile; no /proc (not Linux)
+            continue
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:                         # reaped meanwhile
+                continue
+            children[pid] = int(fields[49]) if fields[0] == "Z" else None     # proc(5): (52) exit_code
+    return children
 
 
 def write_image_folder(image_folder: str | Path, out_path: str | Path, *, unlabeled: bool = False,
