@@ -33,26 +33,20 @@ demo: install
 demo-detection: install
 	$(PY) -m launch.demo --detection
 
-# Two pytest processes, so that both cores work while one of them waits. Beside the others, one after the other: the
-# real-Slurm tests (tests/test_launch_slurm.py, -m slurm), which spend most of their minutes (4-8) waiting for the
-# scheduler (1-minute time limits, requeues, KillWait), then the multi-process files after it in TESTS_BESIDE.
-# Every test runs once; the beside report is printed after the others', and the suite fails when either fails.
-# Plain pytest processes, not pytest-xdist workers: an FFCV write forked from an xdist worker hung once
-# (docs/tests.md). (A background job of make's shell starts with Ctrl-C ignored: its pytest takes Ctrl-C back, so
-# that it stops its Slurm cluster on an interrupt as the others' pytest does.)
-TESTS_BESIDE := tests/test_launch_slurm.py tests/test_distributed_equality.py tests/test_launch_benchmark.py \
-	tests/test_smoco.py tests/test_dino.py
-PYTEST_BESIDE := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); \
-	sys.exit(pytest.main(sys.argv[1:]))
+# The real-Slurm tests (-m slurm) spend most of their minutes (4-8) waiting for the scheduler (1-minute time limits,
+# requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others'.
+# The suite fails when either fails. (A background job of make's shell starts with Ctrl-C ignored: its pytest takes
+# Ctrl-C back, so that it stops its Slurm cluster on an interrupt as the others' pytest does.)
+SLURM_TESTS := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(["-m", "slurm"]))
 test: install
-	@beside_log=$$(mktemp); \
-	$(PY) -c '$(PYTEST_BESIDE)' $(TESTS_BESIDE) > $$beside_log 2>&1 & beside=$$!; \
-	trap 'kill -INT $$beside 2>/dev/null; wait $$beside; cat $$beside_log; rm -f $$beside_log; exit 130' INT TERM; \
-	$(PY) -m pytest $(TESTS_BESIDE:%=--ignore=%); others=$$?; \
-	wait $$beside; beside=$$?; \
-	echo "== beside them: pytest $(TESTS_BESIDE)"; cat $$beside_log; rm -f $$beside_log; \
-	echo "== pytest (the others): exit status $$others; pytest (beside them): exit status $$beside"; \
-	test $$others = 0 -a $$beside = 0
+	@slurm_log=$$(mktemp); \
+	$(PY) -c '$(SLURM_TESTS)' > $$slurm_log 2>&1 & slurm_tests=$$!; \
+	trap 'kill -INT $$slurm_tests 2>/dev/null; wait $$slurm_tests; cat $$slurm_log; rm -f $$slurm_log; exit 130' INT TERM; \
+	$(PY) -m pytest -m "not slurm"; others=$$?; \
+	wait $$slurm_tests; slurm=$$?; \
+	echo "== the real-Slurm tests (pytest -m slurm), run beside the others:"; cat $$slurm_log; rm -f $$slurm_log; \
+	echo "== pytest -m 'not slurm': exit status $$others; pytest -m slurm: exit status $$slurm"; \
+	test $$others = 0 -a $$slurm = 0
 
 test-fast: install
 	$(PY) -m pytest -m "not slow and not slurm"

@@ -369,9 +369,9 @@ def run_watching_workers_and_disk(write, tmp: Path, page_size: int, stalled_s: f
                                   poll_s: float = 0.5) -> None:
     """Run FFCV's `write()` while watching its worker processes and the file it writes. FFCV's parent waits for
     its workers' progress without looking at them, so it would wait forever in two cases:
-    - a worker ended before the write was done (an exception in the dataset, a segfault, the OOM killer): the
-      other workers are terminated and a ChildProcessError names the worker's exit (its traceback, if any, is
-      above on stderr);
+    - a worker ended before the write was done (an exception in the dataset, a segfault, the OOM killer) on a
+      disk with room: the other workers are terminated and a ChildProcessError names the worker's exit (its
+      traceback, if any, is above on stderr);
     - the filesystem is full and the file has not grown for `stalled_s` (the workers died on ENOSPC): the workers
       are terminated and an OSError says "no space left on device".
     Either way the caller removes the partial file. FFCV's own errors are raised as they are."""
@@ -392,7 +392,8 @@ def run_watching_workers_and_disk(write, tmp: Path, page_size: int, stalled_s: f
         thread.join(poll_s)
         ended = {pid: status for pid, status in child_processes().items()
                  if pid not in children_before and status not in (None, 0)}
-        if ended and thread.is_alive():
+        disk_full = shutil.disk_usage(tmp.parent).free < page_size
+        if ended and thread.is_alive() and not disk_full:      # on a full disk, the workers end on ENOSPC: below
             stop_workers(children_before)
             pid, status = next(iter(ended.items()))
             code = os.waitstatus_to_exitcode(status)
@@ -404,7 +405,7 @@ def run_watching_workers_and_disk(write, tmp: Path, page_size: int, stalled_s: f
         if current != size:
             size, since = current, time.monotonic()
             continue
-        if time.monotonic() - since > stalled_s and shutil.disk_usage(tmp.parent).free < page_size:
+        if time.monotonic() - since > stalled_s and disk_full:
             stop_workers(children_before)
             raise OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
                                         f"({shutil.disk_usage(tmp.parent).free} bytes free): free some space, "
