@@ -382,7 +382,7 @@ def test_a_writer_worker_that_ends_early_fails_the_write_by_its_exit_and_leaves_
                                                                                        failure, exit):
     """FFCV's writer waits for its workers' progress without looking at them: a worker that ended before the write
     was done made the write wait forever. The write now fails within a second or two, naming the worker's exit,
-    with nothing left behind (no partial file, no shared memory, the lock released for the next write)."""
+    with nothing left behind: no partial file, no worker, the lock released for the next write."""
     from multiprocessing import resource_tracker
 
     from pretrain.data.writer import ArrayImageSet, write_beton
