@@ -10,7 +10,6 @@ cannot be written or a full disk) print one message and exit with 2.
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import sys
 
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {one_line(error)}", file=sys.stderr)     # a loader worker's error: its own message
         return 2
     except OSError as error:        # results, a plot, the watcher's lock where they cannot be written
-        if error.errno not in (*UNWRITABLE, errno.ENOTDIR):    # ENOTDIR: a file on the path (--run notes.txt/run)
+        if error.errno not in UNWRITABLE:          # e.g. ENOTDIR: a file on the path (--run notes.txt/run)
             raise
         print(f"error: cannot write {error.filename or 'the results'}: {error.strerror}; write to a folder on a "
               "writable filesystem with space left (--run, --out or --out-dir), or free some space", file=sys.stderr)

@@ -20,12 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 from eval.features import extract_features, resolve_beton_path, resolve_device
 from eval.knn import weighted_knn
 from eval.linear import train_linear_probe
-from eval.results import RESULTS_DIR, check_writable, evaluation_image_size, write_result
+from eval.results import RESULTS_DIR, evaluation_image_size, write_result
 from pretrain.config import load_config
 from pretrain.data.loader import build_image_loader
 from pretrain.models import create_backbone
 from pretrain.runtime.argument_types import positive_int
 from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.exit_status import check_writable
 
 HELP = "raw pixels and the random-init backbone on a config's data (k-NN and linear probe)"
 KNN_K, KNN_TEMPERATURE = 20, 0.07

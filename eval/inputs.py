@@ -17,13 +17,14 @@ import torch
 
 from eval.features import (BackboneExport, EvaluationInputError, extract_features, load_backbone_export,
                            resolve_beton_path, resolve_checkpoint_path, resolve_device, stored_identity)
-from eval.results import (RESULTS_DIR, check_writable, evaluation_crop_fraction, evaluation_image_size,
+from eval.results import (RESULTS_DIR, evaluation_crop_fraction, evaluation_image_size,
                           feature_cache_path)
 from pretrain.data.loader import build_image_loader
 from pretrain.data.writer import classes_path, list_image_folder
 from pretrain.runtime.argument_types import non_negative_int, number, positive_int
 from pretrain.runtime.atomic_write import write_atomically
 from pretrain.runtime.checkpoint import describe_write_error
+from pretrain.runtime.exit_status import check_writable
 
 # ============ inputs: checkpoint, data, features ============
 

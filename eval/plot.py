@@ -15,8 +15,9 @@ from pathlib import Path
 
 from eval.baselines import KNN_K
 from eval.features import EvaluationInputError
-from eval.results import RESULTS_DIR, check_writable
+from eval.results import RESULTS_DIR
 from pretrain.runtime.argument_types import positive_int
+from pretrain.runtime.exit_status import check_writable
 
 HELP = "plot k-NN accuracy against training step for runs (PNG)"
 KNN_RESULT = re.compile(r"knn_step(\d{7})\.json")

@@ -20,11 +20,9 @@ This module imports nothing of the project but `pretrain.runtime.atomic_write`, 
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
-import os
 import re
 import subprocess
 from collections.abc import Mapping
@@ -52,20 +50,6 @@ def feature_cache_path(run_dir: str | Path, step: int) -> Path:
     """RUN_DIR/eval/features_step{step:07d}.pt: the features `python -m eval` extracted from the export of `step`
     (a cache, not a result: `python -m eval watch` deletes it once every protocol has run on that step)."""
     return result_path(run_dir, "features", step, ".pt")
-
-
-def check_writable(folder: str | Path) -> None:
-    """Raise the OSError that writing results into `folder` would raise (a read-only filesystem, no permission, a file
-    on its path) before the work whose results go there: feature extraction can take hours. Nothing is created; a
-    full disk is only found by writing."""
-    folder = Path(folder)
-    existing = next(path for path in (folder, *folder.parents) if path.exists())
-    if not existing.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
-    if not os.access(existing, os.W_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
 
 
 def write_result(run_dir: str | Path, name: str, step: int, result: Mapping[str, Any],

@@ -126,6 +126,19 @@ def test_views_too_large_for_memory_are_refused_before_the_first_batch(capsys, t
     assert not (tmp_path / "run").exists()
 
 
+def test_a_file_where_the_run_directory_would_go_is_refused_in_one_line(tmp_path, digits, capsys):
+    """run_dir=notes.txt/run: a file on the path, said as such (it was refused as "this user may not write there",
+    the file not being searchable), before any process starts."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    assert main(["--config", CONFIG, f"run_dir={notes / 'run'}", f"data.train={digits / 'train.beton'}",
+                 f"data.val={digits / 'val.beton'}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: cannot write {notes}: Not a directory; put the run on a writable filesystem with space left "
+        "(run_dir=PATH), or free some space")
+    assert notes.read_text() == "not a folder"
+
+
 @pytest.mark.slow
 def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_path, digits):
     """A real read-only filesystem (a tmpfs mounted ro in a private mount namespace; chmod does not stop root):
@@ -146,4 +159,4 @@ def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_pa
     subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=120)
     err = (tmp_path / "err").read_text().strip()
     assert (tmp_path / "code").read_text().strip() == "2" and len(err.splitlines()) == 1, err
-    assert f"error: cannot write {disk}: it is on a read-only file system" in err
+    assert f"error: cannot write {disk}: Read-only file system" in err

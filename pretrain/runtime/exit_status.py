@@ -1,11 +1,14 @@
 """The exit statuses every training command shares (`python -m pretrain`, `python -m transfer finetune|detection`):
 0 done, 1 diverged, 2 bad input (one line naming it; a run directory that cannot be written, read-only, without
-permission or full, counts as one), 128 + N stopped by signal N, 130 interrupted during start-up. Messages go to stderr, prefixed with the rank when several processes run."""
+permission, a file on its path or full, counts as one; `check_writable` finds all but the full disk before the work
+starts), 128 + N stopped by signal N, 130 interrupted during start-up. Messages go to stderr, prefixed with the rank
+when several processes run."""
 from __future__ import annotations
 
 import errno
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from pretrain.runtime.distributed import release_distributed
@@ -13,7 +16,21 @@ from pretrain.runtime.divergence import TrainingDiverged
 from pretrain.runtime.graceful_stop import StopRequested
 
 # Why a file or folder cannot be written: the place, not the program, is at fault; said in one line, status 2.
-UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR)
+
+
+def check_writable(folder: str | Path) -> None:
+    """Raise the OSError (naming the path) that writing into `folder` would raise, before the work whose output goes
+    there starts (a run's processes and workers, a feature extraction of hours): a file on its path (ENOTDIR), a
+    read-only filesystem (EROFS), no permission (EACCES). Nothing is created; a full disk is only found by writing."""
+    folder = Path(folder)
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
 
 
 def report(message: str) -> None:

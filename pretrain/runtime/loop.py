@@ -32,7 +32,6 @@ always writes the key: `grad_clip` when it is > 0, else 0 (no clipping). DINO's 
 """
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -54,6 +53,7 @@ from pretrain.runtime.checkpoint import Checkpointer, run_layout
 from pretrain.runtime.cpu_threads import configure_threads
 from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
 from pretrain.runtime.divergence import NonFiniteLoss
+from pretrain.runtime.exit_status import check_writable
 from pretrain.runtime.graceful_stop import GracefulStop, StopRequested
 from pretrain.runtime.gradient_edits import GradientEdits
 from pretrain.runtime.monitor import TrainingMonitor
@@ -151,17 +151,6 @@ def run_training(stage: Stage) -> Any:
         if rank == 0 and created is not None and not any(created.rglob("trainer_state.json")):
             shutil.rmtree(created, ignore_errors=True)
         raise
-
-
-def check_writable(run_dir: Path) -> None:
-    """Raise OSError (EROFS or EACCES, naming the folder) when the run directory, or the folder it would be created
-    in, cannot be written: a read-only filesystem or no permission, said before any process or worker starts."""
-    existing = next(path for path in [run_dir, *run_dir.parents] if path.exists())
-    if os.access(existing, os.W_OK | os.X_OK):
-        return
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise OSError(errno.EROFS, "it is on a read-only file system", str(existing))
-    raise OSError(errno.EACCES, "this user may not write there", str(existing))
 
 
 def first_missing_directory(path: Path) -> Path | None:
