@@ -48,11 +48,12 @@ def test_every_command_sets_openmp_to_sleep_at_barriers_before_torch_loads():
     (passive after 1000 spins: a thread waiting for a partner whose core is taken soon sleeps instead of spinning),
     and a value the user set is kept."""
     script = ("import os, sys\n"
-              "class SeeTorchLoad:                  # the policy at the moment torch is first imported\n"
+              "class SeeTorchLoad:                  # the policy at the moment torch is first imported,\n"
               "    def find_spec(self, name, path, target=None):\n"
               "        if name == 'torch':\n"
               "            print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'),\n"
-              "                  'torch' in sys.modules)\n"
+              "                  'torch' in sys.modules, flush=True)\n"
+              "            os._exit(0)                  # then nothing more to see: torch is not loaded\n"
               "sys.meta_path.insert(0, SeeTorchLoad())\n"
               "import {package}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
