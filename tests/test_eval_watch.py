@@ -81,8 +81,8 @@ def finished_run_with_exports(run_dir: Path, digits: Path, steps: tuple[int, ...
     return run_dir
 
 
-def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_after_its_last_protocol(digits, tmp_path,
-                                                                                                     capsys):
+def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_after_its_last_protocol(
+        few_digits, tmp_path, capsys):
     """A run that keeps few exports deletes old ones while the watcher works through its list: the watcher re-checks
     each export (it used to crash on the first vanished one). With --protocols linear,knn the features are extracted
     once per step and removed after the step's last protocol (the cache used to be removed after the
@@ -90,7 +90,7 @@ def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_aft
     from eval.__main__ import build_parser
     from eval.watch import evaluate, watch
 
-    run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6, 9))
+    run_dir = finished_run_with_exports(tmp_path / "run", few_digits, (3, 6, 9))
     calls = []
 
     def evaluate_while_the_run_rotates(argv):
@@ -110,7 +110,7 @@ def test_exports_rotated_away_mid_list_are_skipped_and_each_cache_is_removed_aft
         "knn_step0000003.json", "knn_step0000009.json", "linear_step0000003.json", "linear_step0000009.json"]
 
 
-def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_every_export_once(digits, tmp_path):
+def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_every_export_once(few_digits, tmp_path):
     """At its time limit a watcher job is warned (SIGUSR2): it used to have no handler and be killed by the
     scheduler while pretraining went on; it now stops at once with 128 + SIGUSR2 (launch requeues it), and the
     rerun completes the list, every export evaluated exactly once."""
@@ -120,7 +120,7 @@ def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_ev
     from eval.__main__ import build_parser
     from eval.watch import evaluate, watch
 
-    run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6))
+    run_dir = finished_run_with_exports(tmp_path / "run", few_digits, (3, 6))
     evaluated = []
 
     def evaluate_then_warned(argv):
@@ -193,14 +193,14 @@ def test_a_run_whose_published_list_is_gone_has_every_export_on_disk_evaluated(t
         capsys.readouterr().out
 
 
-def test_a_watcher_at_another_side_evaluates_each_export_once_beside_the_runs_own_results(digits, tmp_path, capsys):
+def test_a_watcher_at_another_side_evaluates_each_export_once_beside_the_runs_own_results(few_digits, tmp_path, capsys):
     """`eval watch --image-size 24` on a run scored at 16 px: the protocol writes knn_at_24px_step*.json (it used to
     write over the run's own knn_step*.json), and the watcher looks for that name: it used to look for the run's own
     and evaluate the same export again at every poll, never done. The run's own results stay as they were."""
     from eval.__main__ import build_parser
     from eval.watch import evaluate, watch
 
-    run_dir = finished_run_with_exports(tmp_path / "run", digits, (3, 6))
+    run_dir = finished_run_with_exports(tmp_path / "run", few_digits, (3, 6))
     own = {"step": 3, "top1": {"20": 0.5}}
     (run_dir / "eval").mkdir()
     (run_dir / "eval/knn_step0000003.json").write_text(json.dumps(own))

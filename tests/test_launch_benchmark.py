@@ -31,8 +31,8 @@ def write_benchmark(path: Path, rows: list[dict], references: dict | None = None
 
 
 @pytest.mark.slow
-def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their_results(digits, tmp_path):
-    data = [f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}"]
+def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their_results(few_digits, tmp_path):
+    data = [f"data.train={few_digits / 'train.beton'}", f"data.val={few_digits / 'val.beton'}"]
     file = write_benchmark(tmp_path / "tiny.yaml", references={"config": CONFIG, "image_sizes": [8],
                                                                "overrides": [*data, "data.num_workers=1"]}, rows=[
         {"name": "simclr", "label": "SimCLR", "config": CONFIG, "overrides": [*data, *SMALL], "steps": 6, "marks": 6},
