@@ -1,5 +1,6 @@
 """Tiny configs, random views and a DeepSpeed engine for the training-step tests (tests/test_engine_step.py,
-on the CPU, and tests/gpu/test_gpu_paths.py, on CUDA)."""
+on the CPU, and tests/gpu/test_gpu_paths.py, on CUDA), and the start of the tests' worker processes."""
+import gc
 from pathlib import Path
 
 import torch
@@ -16,6 +17,22 @@ DINO_MULTI_CROP = [
     "hvs.num_views=[2, 2, 8]"]
 TINY = ["model.proj_hidden_dim=32", "model.proj_out_dim=16", "data.batch_size=6", "hvs.enabled=true",
         "hvs.max_candidates=8", "optim.lr=0.05"]
+
+
+def start_worker() -> tuple[int, int]:
+    """Start a test's worker process (`python -m tests.test_X`, alone or under torchrun): its process group (rank and
+    world size returned), one thread (its tensors are tiny, and two threads wait on each other when another process
+    shares the cores), and every object imported so far out of the garbage collector's scans (gc.freeze: DeepSpeed's
+    explicit collections and the automatic ones then skip the million objects torch, DeepSpeed and timm leave at
+    import; the two-process equality worker's steps took 37 s instead of 42)."""
+    import pretrain.methods  # noqa: F401  (with DeepSpeed and timm: what every worker imports, before the freeze)
+    import pretrain.runtime.loop  # noqa: F401
+    from pretrain.runtime.distributed import init_distributed
+
+    rank, world, _ = init_distributed()
+    torch.set_num_threads(1)
+    gc.freeze()
+    return rank, world
 
 
 def views_and_boxes(cfg, generator: torch.Generator):

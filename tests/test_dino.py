@@ -22,7 +22,7 @@ from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
 from pretrain.methods import build_method
 from pretrain.methods.base import Method
 from pretrain.runtime.optim import build_optimizer, set_schedule_values
-from tests.engine_helpers import DINO_MULTI_CROP
+from tests.engine_helpers import DINO_MULTI_CROP, start_worker
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/dino_digits.yaml"
@@ -369,12 +369,11 @@ def two_process_worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
     from pretrain.data.views import ViewBatch
-    from pretrain.runtime.distributed import init_distributed
     from pretrain.runtime.loop import initialize_engine, train_step
     from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.task import BatchPosition
 
-    rank, world, _ = init_distributed()
+    rank, world = start_worker()
     results = {}
     # bf16 (autocast over fp32 master weights): the EMA must read the fp32 masters, not bf16 copies (issue 10).
     for stage, bf16 in ((0, False), (0, True), (2, True), (3, True)):

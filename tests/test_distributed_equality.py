@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_helpers import DINO_MULTI_CROP
+from tests.engine_helpers import DINO_MULTI_CROP, start_worker
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs/pretrain"
@@ -128,10 +128,7 @@ def worker(out_dir: Path) -> None:
     """One process: every case's step, saved whole (OUT_DIR/world1.pt). Two processes: every case's step under
     every stage, each compared with the one-process step as soon as it is taken (`differences`); rank 0 saves the
     comparisons (OUT_DIR/world2.pt). Kept whole, the 40 steps' parameters were 1.8 GB a rank to hold and save."""
-    from pretrain.runtime.distributed import init_distributed
-
-    rank, world, _ = init_distributed()
-    torch.set_num_threads(1)
+    rank, world = start_worker()
     if world == 1:
         torch.save({f"{name}/stage0": step_once(name, 0, 1, 0) for name in CASES}, out_dir / "world1.pt")
         return

@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for,
-                                  one_sgd_step_and_its_reference, views_and_boxes)
+                                  one_sgd_step_and_its_reference, start_worker, views_and_boxes)
 
 pytestmark = pytest.mark.slow          # one worker process: DeepSpeed steps of every method under every ZeRO stage
 
@@ -180,10 +180,7 @@ PARTS = 2
 
 
 def worker(out_dir: Path, part: int) -> None:
-    from pretrain.runtime.distributed import init_distributed
-
-    init_distributed()
-    torch.set_num_threads(1)
+    start_worker()
     results = {"bf16": bf16_runs_for_every_method_and_stage(METHOD_CONFIGS[part::PARTS])}
     if part == PARTS - 1:
         results.update(zero3=zero3_accumulation_clipping_low_resolution_selection(), clipping=clipping_as_configured())

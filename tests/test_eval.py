@@ -366,15 +366,15 @@ def test_cli_knn_end_to_end_on_digits(digits, tmp_path):
         assert scalars[f"eval/knn_top1_k{k}"] == [(40, pytest.approx(result["top1"][str(k)]))]
 
 
-def test_an_export_whose_config_sets_an_evaluation_side_is_scored_at_it(digits, tmp_path):
+def test_an_export_whose_config_sets_an_evaluation_side_is_scored_at_it(few_digits, tmp_path):
     """data.eval_image_size: the evaluation's side (here 24 px against the views' 32), what `eval knn` scores at by
     default; the backbone is still rebuilt for the views' side (a ViT's position embedding)."""
     from eval.results import evaluation_image_size, trained_image_size
     from pretrain.data.loader import build_image_loader
 
     run = tmp_path / "run"
-    path = write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=digits / "train.beton",
-                        val=digits / "val.beton", step=40)
+    path = write_export(run / "backbone.pth", RESNET18_SMALL.state_dict(), train=few_digits / "train.beton",
+                        val=few_digits / "val.beton", step=40)
     export = torch.load(path, weights_only=True)
     export["config"]["data"]["eval_image_size"] = 24
     torch.save(export, path)
@@ -384,7 +384,7 @@ def test_an_export_whose_config_sets_an_evaluation_side_is_scored_at_it(digits, 
     result = json.loads((run / "eval" / "knn_step0000040.json").read_text())
 
     def features(split, side):
-        loader = build_image_loader(digits / f"{split}.beton", side, 256, mean=[0.5] * 3, std=[0.25] * 3,
+        loader = build_image_loader(few_digits / f"{split}.beton", side, 256, mean=[0.5] * 3, std=[0.25] * 3,
                                     num_workers=1, crop_fraction=0.875)
         return extract_features(RESNET18_SMALL.eval(), loader, "cpu")
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, ROOT, TINY, engine_for, one_sgd_step_and_its_reference,
-                                  views_and_boxes)
+                                  start_worker, views_and_boxes)
 
 pytestmark = pytest.mark.slow          # one worker process: a few DeepSpeed steps under four ZeRO stages
 
@@ -108,10 +108,7 @@ PARTS = {"clipping": "per_parameter_clipping", "frozen": "frozen_last_layer"}
 
 
 def worker(out_dir: Path, part: str) -> None:
-    from pretrain.runtime.distributed import init_distributed
-
-    init_distributed()
-    torch.set_num_threads(1)
+    start_worker()
     (out_dir / f"{part}.json").write_text(json.dumps(globals()[PARTS[part]]()))
 
 

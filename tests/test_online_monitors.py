@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pretrain.online_monitors import RANKME_EPS, OnlineLinearProbe, rankme
-from tests.engine_helpers import CONFIGS, ROOT, TINY, engine_for, views_and_boxes
+from tests.engine_helpers import CONFIGS, ROOT, TINY, engine_for, start_worker, views_and_boxes
 
 
 def test_rankme_is_the_exponential_of_the_entropy_of_the_normalised_singular_values():
@@ -136,10 +136,7 @@ def probe_on_and_off(digits: Path) -> dict:
 
 
 def worker(out_dir: Path, digits: Path) -> None:
-    from pretrain.runtime.distributed import init_distributed
-
-    init_distributed()
-    torch.set_num_threads(1)
+    start_worker()
     (out_dir / "results.json").write_text(json.dumps(probe_on_and_off(digits)))
 
 

@@ -4,7 +4,7 @@ m * old + (1 - m) * student after a real DeepSpeed step under ZeRO 0 / 2 / 3 wit
 m = 0), the queue the same on both processes, the weighted contrastive loss gathered across processes equal
 to the one-process loss, and a whole `python -m pretrain` run with selection that saves and resumes its queue.
 
-Run as a script (`torchrun --nproc-per-node 2 tests/test_smoco.py OUT_DIR`), this file is the worker of the
+Run as a module (`torchrun --nproc-per-node 2 -m tests.test_smoco OUT_DIR`), this file is the worker of the
 two-process tests.
 """
 import json
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pretrain.config import ConfigError, load_config
 from pretrain.hvs import candidate_combinations, select_hard_views
 from pretrain.methods import build_method
+from tests.engine_helpers import start_worker
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/smoco_digits.yaml"
@@ -200,14 +201,12 @@ def two_process_worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
     from pretrain.data.views import ViewBatch
-    from pretrain.runtime.distributed import init_distributed
     from pretrain.runtime.loop import initialize_engine, train_step
     from pretrain.runtime.optim import build_optimizer, set_schedule_values
     from pretrain.runtime.stage import LoopOptions
     from pretrain.runtime.task import BatchPosition
 
-    rank, world, _ = init_distributed()
-    torch.set_num_threads(1)
+    rank, world = start_worker()
     results = {}
     # under bf16 the key encoder must follow the fp32 master weights, not bf16 copies (error ~1e-3)
     for stage, momentum, precision in ((0, 0.9, "fp32"), (2, 0.9, "fp32"), (3, 0.9, "fp32"), (3, 0.0, "fp32"),
@@ -271,7 +270,7 @@ def two_process_worker(out_dir: Path) -> None:
 def two_process_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("smoco_two_processes")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(Path(__file__)), str(out)]
+               "-m", "tests.test_smoco", str(out)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
