@@ -1,13 +1,16 @@
 """Shared fixtures and helpers of the suite.
 
 - `digits` / `digits_dml`: the embedded digits written once per session, as `python -m pretrain.data
-  write-digits [--split-classes]` writes them; read-only (tests write their runs under tmp_path).
+  write-digits [--split-classes]` writes them; read-only (tests write their runs under tmp_path). `few_digits`: a
+  quarter of them, for tests of mechanics.
 - `free_port`: a free TCP port for a test's own process group.
 - `wait_for(condition, process, ...)`: poll until a condition holds while a started run is still running.
 
 Markers (registered in pyproject.toml): `slow` (whole runs through the command line, multi-process runs,
 anything over about 5 s) and `slurm` (starts a real Slurm cluster: tests/slurm_cluster.py).
 `make test-fast` runs `pytest -m "not slow and not slurm"`; `make test` runs everything.
+
+The modules of RUN_LAST run after the others (`pytest_collection_modifyitems`).
 """
 import os
 import socket
@@ -21,6 +24,17 @@ import pytest
 # libgomp's default spin, which spends a taken core waiting beside the other worker (pretrain/__init__.py).
 import pretrain  # noqa: F401,E402
 
+
+# Modules whose tests run processes that wait for each other at every collective (gloo), or that step several
+# models side by side. `make test` runs the real-Slurm tests beside the others for their first 7 minutes or so;
+# a rank descheduled by them holds up its partner at each collective, so these ran up to 1.4x their time alone
+# there (the distributed-equality fixture 88 s against 63). Run last, they meet the Slurm jobs less.
+RUN_LAST = {"test_checkpoint", "test_dino", "test_distributed_equality", "test_engine_step", "test_gradient_edits",
+            "test_smoco"}
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.module.__name__.rsplit(".", 1)[-1] in RUN_LAST)      # stable: order kept
 
 def write_digits_with_the_cli(out_dir: Path, *args: str) -> Path:
     """OUT_DIR with the digits written by `python -m pretrain.data write-digits --out-dir OUT_DIR ARGS`."""
