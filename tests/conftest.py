@@ -36,6 +36,7 @@ RUN_LAST = {"test_checkpoint", "test_dino", "test_distributed_equality", "test_e
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.module.__name__.rsplit(".", 1)[-1] in RUN_LAST)      # stable: order kept
 
+
 def write_digits_with_the_cli(out_dir: Path, *args: str) -> Path:
     """OUT_DIR with the digits written by `python -m pretrain.data write-digits --out-dir OUT_DIR ARGS`."""
     from pretrain.data.__main__ import main
