@@ -18,7 +18,7 @@ import numba
 import numpy as np
 import torch
 
-from pretrain.data.numba_cache import cache_numba_typed_dict
+from pretrain.data.numba_cache import cache_ffcv_pipeline_functions, cache_numba_typed_dict
 
 cache_numba_typed_dict()    # before FFCV's import compiles its typed Dict (5 s in every process otherwise)
 _torch_threads = torch.get_num_threads()     # FFCV's import sets them to 1 (Compiler.set_num_threads(1)): put back below
@@ -48,6 +48,7 @@ def _set_decode_threads(cls, n: int) -> None:
 
 
 Compiler.set_num_threads = classmethod(_set_decode_threads)
+cache_ffcv_pipeline_functions(Compiler)
 torch.set_num_threads(_torch_threads)
 
 FFCV_BATCHES_IN_FLIGHT = 3 + 2      # ffcv.Loader's default batches_ahead (3), plus the 2 slots its iterator adds
