@@ -139,6 +139,23 @@ def test_a_file_where_the_run_directory_would_go_is_refused_in_one_line(tmp_path
     assert notes.read_text() == "not a folder"
 
 
+def test_a_run_directory_where_no_folder_can_be_made_is_refused_in_one_line(digits, capsys):
+    """/proc takes no new folders (mkdir: "No such file or directory"), which check_writable cannot see ahead: the
+    run's directory is refused by name in one line with status 2 when it is made, not with a traceback."""
+    import os
+
+    run_dir = f"/proc/hardview_{os.getpid()}/run"
+    assert main(["--config", CONFIG, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
+                 f"data.val={digits / 'val.beton'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    if os.geteuid() == 0:                               # root may write into /proc's folder; mkdir itself refuses
+        assert err == (f"error: cannot create the run directory {run_dir}: No such file or directory "
+                       f"(/proc/hardview_{os.getpid()}); choose run_dir=PATH where folders can be created")
+    else:                                               # another user may not: refused before any process starts
+        assert err == "error: cannot write /proc: Permission denied; put the run on a writable filesystem with " \
+                      "space left (run_dir=PATH), or free some space"
+
+
 @pytest.mark.slow
 def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_path, digits):
     """A real read-only filesystem (a tmpfs mounted ro in a private mount namespace; chmod does not stop root):

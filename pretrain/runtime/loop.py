@@ -53,7 +53,8 @@ from pretrain.runtime.checkpoint import Checkpointer, run_layout
 from pretrain.runtime.cpu_threads import configure_threads
 from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
 from pretrain.runtime.divergence import NonFiniteLoss
-from pretrain.runtime.exit_status import check_writable
+from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.exit_status import UNWRITABLE, check_writable
 from pretrain.runtime.graceful_stop import GracefulStop, StopRequested
 from pretrain.runtime.gradient_edits import GradientEdits
 from pretrain.runtime.monitor import TrainingMonitor
@@ -146,11 +147,25 @@ def run_training(stage: Stage) -> Any:
         print(f"{world_size} process(es) on the CPU, {threads} thread(s) each (engine.threads)", flush=True)
     created = first_missing_directory(stage.run_dir)    # what a refused fresh start must not leave behind
     try:
+        create_run_directory(stage.run_dir)
         return train_in_run_directory(stage, rank, world_size, device)
     except stage.input_errors:                          # bad input found while building the data or the task
         if rank == 0 and created is not None and not any(created.rglob("trainer_state.json")):
             shutil.rmtree(created, ignore_errors=True)
         raise
+
+
+def create_run_directory(run_dir: Path) -> None:
+    """Make the run's directory (and the folders above it). A place that refuses new folders for a reason
+    `check_writable` cannot see without creating one (a kernel filesystem such as /proc: "No such file or directory")
+    is a bad `run_dir`, said in one line (ConfigError), not a traceback."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        if error.errno in UNWRITABLE:                   # read-only, no permission, full: said as such
+            raise
+        raise ConfigError(f"cannot create the run directory {run_dir}: {error.strerror} ({error.filename}); choose "
+                          "run_dir=PATH where folders can be created") from None
 
 
 def first_missing_directory(path: Path) -> Path | None:
