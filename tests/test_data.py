@@ -136,55 +136,41 @@ def test_each_image_is_decoded_once_however_many_views(dataset, monkeypatch):
     assert len(decoded) == 40
 
 
-# Run in a fresh interpreter with an empty numba cache folder: a training loader and two evaluation loaders of the
-# same .beton, each decoding every image; prints what numba's cache did for the functions FFCV compiled (FFCV's
-# compiler wrapped once more to see them) and what was decoded.
-CACHE_PROBE = """
-import json, sys
-import numpy as np
-from pretrain.data import ffcv_loader
-compiled = []
-compile_with_cache = ffcv_loader.Compiler.compile.__func__
-def recording(cls, code, signature=None):
-    compiled.append(compile_with_cache(cls, code, signature))
-    return compiled[-1]
-ffcv_loader.Compiler.compile = classmethod(recording)
-beton, order = sys.argv[1], np.arange(44)
-def decoded(loader):                 # every field of every batch (FFCV reuses its batch memory: copied)
-    return [torch.cat(field) for field in zip(*([f.clone() for f in batch] for batch in ffcv_loader.ffcv_batches(
-        loader, order)))]
-_, label, index, height, width = (f.tolist() for f in decoded(ffcv_loader.build_ffcv_loader(beton, 0, 8, 1, False)))
-crops = [decoded(ffcv_loader.build_ffcv_centre_crop_loader(beton, 16, 0.875, 8, 1))[0] for _ in range(2)]
-cached = [d for d in compiled if d.stats.cache_path]
-print(json.dumps({"names": sorted({d.py_func.__qualname__ for d in cached}), "compiled": len(compiled),
-                  "misses": sum(sum(d.stats.cache_misses.values()) for d in cached),
-                  "hits": sum(sum(d.stats.cache_hits.values()) for d in cached), "label": label, "index": index,
-                  "height": height, "width": width, "same_crops": bool(torch.equal(*crops))}))
-""".replace("import json, sys", "import json, sys, torch")
+def test_ffcvs_integer_decoders_and_crop_box_are_loaded_from_numbas_cache_and_decode_the_same(dataset, monkeypatch):
+    """pretrain/data/numba_cache.py: FFCV compiles each loader's functions anew; the integer decoders and the centre
+    crop's box are compiled once into numba's cache folder and every later compilation of them, in this process or
+    another, loads them from there, decoding the same. Nothing else FFCV compiles is cached (the image decoders and
+    FFCV's C calls hold this process's addresses)."""
+    from pretrain.data import ffcv_loader
 
+    compiled = []
+    compile_with_cache = ffcv_loader.Compiler.compile.__func__
 
-@pytest.mark.slow
-def test_ffcvs_integer_decoders_and_crop_box_are_loaded_from_numbas_cache_and_decode_the_same(dataset, tmp_path):
-    """pretrain/data/numba_cache.py: each of FFCV's integer decoders and the centre crop's box is compiled once into
-    numba's cache folder; every later compilation of it, in this process or the next, loads it from there and
-    decodes the same. Nothing else FFCV compiles is cached (the image decoders and FFCV's C calls hold this
-    process's addresses)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    def recording(cls, code, signature=None):                # FFCV's compiler wrapped once more, to see them
+        compiled.append(compile_with_cache(cls, code, signature))
+        return compiled[-1]
 
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    probe = json.loads(subprocess.run([sys.executable, "-c", CACHE_PROBE, str(dataset["beton"])], env=env,
-                                      capture_output=True, text=True, check=True).stdout)
-    assert probe["names"] == ["BasicDecoder.generate_code.<locals>.decoder", "get_center_crop"]
-    assert probe["compiled"] > 10                            # the image decoders and FFCV's C calls besides
-    # the training loader's 4 integer fields, then 2 and a crop box in each evaluation loader: the first integer
-    # decoder and the first box compiled, the other 7 + 1 loaded from the folder
-    assert (probe["misses"], probe["hits"]) == (2, 8)
-    assert probe["label"] == dataset["labels"].tolist() and probe["index"] == list(range(44))
-    assert [[h, w] for h, w in zip(probe["height"], probe["width"])] == dataset["hw"].tolist()
-    assert probe["same_crops"]                               # the box compiled, then the box loaded
+    monkeypatch.setattr(ffcv_loader.Compiler, "compile", classmethod(recording))
+
+    def decoded(loader):                  # every field of every batch (FFCV reuses its batch memory: copied)
+        batches = ffcv_loader.ffcv_batches(loader, np.arange(44))
+        return [torch.cat(field) for field in zip(*([f.clone() for f in batch] for batch in batches))]
+
+    _, labels, indices, heights, widths = decoded(ffcv_loader.build_ffcv_loader(dataset["beton"], 0, 8, 1, False))
+    crops = [decoded(ffcv_loader.build_ffcv_centre_crop_loader(dataset["beton"], 16, 0.875, 8, 1))[0]
+             for _ in range(2)]
+    cached = [d for d in compiled if d.stats.cache_path]
+    assert sorted({d.py_func.__qualname__ for d in cached}) == ["BasicDecoder.generate_code.<locals>.decoder",
+                                                                "get_center_crop"]
+    assert len(compiled) > len(cached)                  # the image decoders and FFCV's C calls, not cached
+    hits = sum(sum(d.stats.cache_hits.values()) for d in cached)
+    misses = sum(sum(d.stats.cache_misses.values()) for d in cached)
+    # 4 + 2 + 2 integer fields and 2 crop boxes run: each kind compiled at most once (by the first loader that needs
+    # it, in this process or an earlier one), every later one loaded from the folder
+    assert hits + misses == 10 and misses <= 2
+    assert (labels.numpy() == dataset["labels"]).all() and torch.equal(indices, torch.arange(44))
+    assert (torch.stack([heights, widths], 1).numpy() == dataset["hw"]).all()
+    assert torch.equal(*crops)                          # the same crops, whichever box decoder was compiled or loaded
 
 
 def test_the_loader_on_the_meta_device_is_the_host_side_of_a_gpu_run(dataset, ffcv_loader):
