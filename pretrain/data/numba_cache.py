@@ -36,9 +36,7 @@ def cache_ffcv_pipeline_functions(compiler) -> None:
     each loader, without the cache: a training loader's four integer decoders took 0.5 s of its 1.3 s of
     compilation, an evaluation loader's two and its crop box 0.4 s of 0.9 s, in every process. The image decoders
     are closures over the loader's memory reader and call FFCV's C library: numba cannot cache them, and they keep
-    FFCV's behaviour. Calling it again does nothing."""
-    if getattr(compiler.compile, "caches_ffcv_pipeline_functions", False):
-        return
+    FFCV's behaviour. Called once, where pretrain/data/ffcv_loader.py imports FFCV."""
     compile_uncached = compiler.compile.__func__
 
     def compile_with_cache(cls, code, signature=None):
@@ -51,5 +49,4 @@ def cache_ffcv_pipeline_functions(compiler) -> None:
                 pass
         return compiled
 
-    compile_with_cache.caches_ffcv_pipeline_functions = True
     compiler.compile = classmethod(compile_with_cache)
