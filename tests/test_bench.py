@@ -23,6 +23,21 @@ def test_bench_commands_run_and_write_their_tables(tmp_path):
     assert json.loads((tmp_path / "hvs.json").read_text())
 
 
+def test_the_train_benchmarks_overrides_reach_every_table_it_times():
+    """`train --override engine.precision=bf16` used to reach the images/s table only: the split by phase, the
+    2-process and the contention rows timed the split case without it (fp32), under the same heading."""
+    from pretrain.bench import build_parser
+    from pretrain.bench.train import selected_cases, split_case
+
+    args = build_parser().parse_args(["train", "--only", "simclr", "--override", "engine.precision=bf16",
+                                      "--split-case", "dino HVS"])
+    assert selected_cases(args) == [
+        ("simclr", "configs/pretrain/simclr_fashion_mnist.yaml", ["engine.precision=bf16"]),
+        ("simclr HVS", "configs/pretrain/simclr_fashion_mnist.yaml", ["hvs.enabled=true", "engine.precision=bf16"])]
+    assert split_case(args) == ("dino HVS", "configs/pretrain/dino_fashion_mnist.yaml",
+                                ["hvs.enabled=true", "engine.precision=bf16"])
+
+
 @pytest.mark.parametrize("option, value", [("--images", "0"), ("--batch-size", "-1"), ("--epochs", "0"),
                                            ("--views", "0"), ("--workers", "0")])
 def test_counts_that_cannot_be_measured_are_refused_by_argparse(capsys, option, value):

@@ -57,6 +57,18 @@ def cases(imagenet: bool) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
+def selected_cases(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """The cases the command times: those `--only` names, each with `--override` after its own overrides."""
+    return [(name, config, [*overrides, *args.override]) for name, config, overrides in cases(args.imagenet)
+            if not args.only or any(word in name for word in args.only)]
+
+
+def split_case(args: argparse.Namespace) -> tuple[str, str, list[str]]:
+    """`--split-case`, a Fashion-MNIST case, with `--override` as every other table has it."""
+    name, config, overrides = next(case for case in cases(False) if case[0] == args.split_case)
+    return name, config, [*overrides, *args.override]
+
+
 def fixed_batch(cfg, device: torch.device):
     """One ViewBatch of random views of the sizes the loader would draw (the pool under selection), on `device`."""
     # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
@@ -238,10 +250,7 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"{device}, {os.cpu_count()} cores, 1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
-    for name, config, overrides in cases(args.imagenet):
-        if args.only and not any(word in name for word in args.only):
-            continue
-        overrides = [*overrides, *args.override]
+    for name, config, overrides in selected_cases(args):
         cfg = load_config(config, overrides)
         common = {"config": config, "overrides": overrides, "steps": steps, "data": str(data)}
         # Project, plain, plain, project, each in a process of its own; the faster of each pair's medians (the run
@@ -255,14 +264,15 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
         print(f"  {name:<24} batch {cfg.data.batch_size:>4}: project {project:8.1f} images/s, plain loop "
               f"{plain:8.1f}, overhead {plain / project:.3f}x", flush=True)
     result = {"command": "train", "device": device, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "rows": rows, "warmup": args.warmup, "steps": args.steps}
+              "torch": torch.__version__, "overrides": args.override, "rows": rows, "warmup": args.warmup,
+              "steps": args.steps}
     if args.plain_variants:
         result["plain_variants"] = plain_variants(args, data)
     if args.split_case != "none":
-        split_case = next(c for c in cases(False) if c[0] == args.split_case)
-        result["split"] = step_split(split_case, args, data)
-        result["processes"] = two_processes(split_case, args, data)
-        result["contention"] = contention(split_case, args, data)
+        case = split_case(args)
+        result["split"] = step_split(case, args, data)
+        result["processes"] = two_processes(case, args, data)
+        result["contention"] = contention(case, args, data)
     result["load_average_1min"] = os.getloadavg()[0]
     print_tables(result)
     return result
@@ -275,10 +285,7 @@ def plain_variants(args, data: Path) -> list[dict]:
     from pretrain.config import load_config
 
     rows = []
-    for name, config, overrides in cases(args.imagenet):
-        if args.only and not any(word in name for word in args.only):
-            continue
-        overrides = [*overrides, *args.override]
+    for name, config, overrides in selected_cases(args):
         cfg = load_config(config, overrides)
         common = {"config": config, "overrides": overrides, "steps": args.warmup + args.steps, "data": str(data),
                   "plain": True}
@@ -362,9 +369,9 @@ def contention(case, args, data: Path) -> list[dict]:
 
 
 def print_tables(result: dict) -> None:
+    overrides = f"; every table with {' '.join(result['overrides'])}" if result["overrides"] else ""
     print(f"\nthe pretraining step against a plain PyTorch loop of the same model ({result['device']}, "
-          f"{result['cores']} cores, "
-          f"median of {result['steps']} steps after {result['warmup']})")
+          f"{result['cores']} cores, median of {result['steps']} steps after {result['warmup']}{overrides})")
     print(f"{'case':<24}{'batch':>6}{'project':>10}{'plain':>10}{'plain / project':>17}")
     for row in result["rows"]:
         print(f"{row['case']:<24}{row['batch']:>6}{row['project_images_per_s']:>10.1f}"
