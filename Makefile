@@ -33,13 +33,17 @@ demo: install
 demo-detection: install
 	$(PY) -m launch.demo --detection
 
-# The real-Slurm tests (-m slurm) spend most of their minutes (4-8) waiting for the scheduler (1-minute time limits,
+# Both pytests scale their waits by one factor measured here first (tests/machine_speed.py: a reference step against
+# the CPU the suite was tuned on). The real-Slurm tests (-m slurm) spend most of their minutes (4-8) waiting for the scheduler (1-minute time limits,
 # requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others'.
 # The suite fails when either fails. (A background job of make's shell starts with Ctrl-C ignored: its pytest takes
 # Ctrl-C back, so that it stops its Slurm cluster on an interrupt as the others' pytest does.)
 SLURM_TESTS := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(["-m", "slurm"]))
 test: install
-	@slurm_log=$$(mktemp); \
+	@slowness=$${HARDVIEW_TEST_SLOWNESS:-$$($(PY) -m tests.machine_speed)} || exit 1; \
+	export HARDVIEW_TEST_SLOWNESS=$$slowness; \
+	echo "== this machine against the suite's reference CPU: waits scaled by $$HARDVIEW_TEST_SLOWNESS (tests/machine_speed.py)"; \
+	slurm_log=$$(mktemp); \
 	$(PY) -c '$(SLURM_TESTS)' > $$slurm_log 2>&1 & slurm_tests=$$!; \
 	trap 'kill -INT $$slurm_tests 2>/dev/null; wait $$slurm_tests; cat $$slurm_log; rm -f $$slurm_log; exit 130' INT TERM; \
 	$(PY) -m pytest -m "not slurm"; others=$$?; \

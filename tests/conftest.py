@@ -23,6 +23,7 @@ import pytest
 # commands get: pretrain sets it before torch loads, and a test module that imports torch first would load it with
 # libgomp's default spin, which spends a taken core waiting beside the other worker (pretrain/__init__.py).
 import pretrain  # noqa: F401,E402
+from tests.machine_speed import scaled  # noqa: E402
 
 
 # Modules whose tests run processes that wait for each other at every collective (gloo), or that step several
@@ -33,8 +34,27 @@ RUN_LAST = {"test_checkpoint", "test_dino", "test_distributed_equality", "test_e
             "test_smoco"}
 
 
+# Every test's deadline (pytest-timeout), fixtures included, in seconds on the reference CPU (tests/machine_speed.py):
+# several times the longest test there (the benchmark's end-to-end test, about 90 s; the Slurm test of every kind of
+# job, about 400 s). A test still running then has hung: pytest-timeout prints every thread's stack and ends the
+# session ("thread": it also ends a wait inside C code, such as a deadlocked lock, which "signal" cannot interrupt).
+TEST_DEADLINE_S = 600
+SLURM_TEST_DEADLINE_S = 1500
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.module.__name__.rsplit(".", 1)[-1] in RUN_LAST)      # stable: order kept
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            deadline = SLURM_TEST_DEADLINE_S if item.get_closest_marker("slurm") else TEST_DEADLINE_S
+            item.add_marker(pytest.mark.timeout(scaled(deadline), method="thread"))
+
+
+def pytest_report_header(config):
+    from tests.machine_speed import ENV, slowness
+
+    return (f"waits and deadlines scaled by {slowness():.2f} (this machine against the suite's reference CPU; "
+            f"{ENV} to set it: tests/machine_speed.py)")
 
 
 def write_digits_with_the_cli(out_dir: Path, *args: str) -> Path:
@@ -88,14 +108,15 @@ def wait_for(condition, process, what: str = "the awaited condition", timeout: f
              interval: float = 0.05) -> None:
     """Poll `condition()` every `interval` s until it holds. Fails (AssertionError) at once when `process` (a
     tests.forked_runs.ForkedRun or a subprocess.Popen) ends first, with the end of its stderr, and after
-    `timeout` s."""
-    deadline = time.time() + timeout
+    `timeout` s on the reference CPU (scaled to this machine: tests/machine_speed.py)."""
+    deadline = time.time() + scaled(timeout)
     while not condition():
         if process.poll() is not None:
             stderr = process.stderr if isinstance(process.stderr, str) else \
                 process.stderr.read().decode() if process.stderr is not None else ""
             raise AssertionError(f"the run ended with {process.poll()} while waiting for {what}: {stderr[-3000:]}")
-        assert time.time() < deadline, f"timed out waiting for {what}"
+        assert time.time() < deadline, \
+            f"timed out after {scaled(timeout):.0f} s waiting for {what} (the run is pid {process.pid})"
         time.sleep(interval)
 
 

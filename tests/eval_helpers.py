@@ -13,6 +13,8 @@ import torch
 
 from pretrain.models import create_backbone
 
+from tests.machine_speed import scaled
+
 RESNET18_SMALL = create_backbone("resnet18", "small_stride2")
 
 
@@ -63,5 +65,5 @@ def small_filesystem(mount_point: Path, size: str, read_only: bool = False) -> I
         yield Path(f"/proc/{holder.pid}/root{mount_point}")
     finally:
         holder.kill()
-        holder.wait()
+        holder.wait(timeout=scaled(60))
         holder.stdout.close()

@@ -3,7 +3,7 @@ that imported torch, DeepSpeed, timm and FFCV once, so that a test's run starts 
 10-15 s a new interpreter spends importing them.
 
     result = run("pretrain", ["--config", CONFIG, "run_dir=..."], expect=0)      # like subprocess.run
-    process = start("pretrain", [...]); process.send_signal(signal.SIGTERM); process.wait()
+    process = start("pretrain", [...]); process.send_signal(signal.SIGTERM); process.wait(60)
 
 Each run is a process of its own (multiprocessing's forkserver: the server only imported modules, it never
 ran a thread pool, so forking it is safe), with this test process's environment and working directory at the
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tests.machine_speed import scaled
 
 # `python -m NAME` -> the module whose main(argv) it runs
 MODULES = {"pretrain": "pretrain.__main__", "eval": "eval.__main__", "transfer": "transfer.__main__",
@@ -90,6 +92,7 @@ class ForkedRun:
     `stderr` (text)."""
 
     def __init__(self, module: str, argv: list[str], env: dict | None = None):
+        self.module = module
         self.folder = output_folder()
         self.stdout_path, self.stderr_path = f"{self.folder}/stdout", f"{self.folder}/stderr"
         self.process = context().Process(target=_main, args=(module, [str(a) for a in argv],
@@ -106,10 +109,12 @@ class ForkedRun:
     def poll(self) -> int | None:
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float) -> int:
+        """Wait for the run's end, at most `timeout` s (as subprocess.Popen.wait; the tests pass
+        tests.machine_speed.scaled(seconds)); subprocess.TimeoutExpired names the run when it has not ended."""
         self.process.join(timeout)
         if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"forked {self.pid}", timeout)
+            raise subprocess.TimeoutExpired(f"forked run {self.pid} of python -m {self.module}", timeout)
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
@@ -133,14 +138,16 @@ def start(module: str, argv: list, env: dict | None = None) -> ForkedRun:
 
 
 def run(module: str, argv: list, expect: int | None = 0, timeout: float = 300, env: dict | None = None) -> ForkedRun:
-    """Run `python -m MODULE ARGV` to completion; assert its exit status is `expect` (None: any)."""
+    """Run `python -m MODULE ARGV` to completion; assert its exit status is `expect` (None: any). `timeout`: seconds
+    on the reference CPU (tests/machine_speed.py)."""
     process = start(module, argv, env)
     try:
-        process.wait(timeout)
+        process.wait(scaled(timeout))
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGKILL)
         process.wait(10)
-        raise AssertionError(f"python -m {module} timed out after {timeout} s: {process.stderr[-3000:]}")
+        raise AssertionError(f"python -m {module} (pid {process.pid}) timed out after {scaled(timeout):.0f} s: "
+                             f"{process.stderr[-3000:]}")
     if expect is not None:
         assert process.returncode == expect, process.stderr[-3000:]
     return process

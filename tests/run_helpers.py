@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 from tests import forked_runs
+from tests.machine_speed import scaled
 
 ROOT = Path(__file__).parents[1]
 
@@ -38,11 +39,12 @@ def kill_process_tree(pid: int) -> None:
 
 def run(command: list[str], timeout: int = 300, expect: int = 0, env: dict | None = None):
     """Run `command` to completion as a user would; a `python -m pretrain|eval ...` of this project runs in a
-    process forked from a server that has already imported torch (a second, not 12, to start)."""
+    process forked from a server that has already imported torch (a second, not 12, to start). `timeout`: seconds
+    on the reference CPU, scaled to this machine (tests/machine_speed.py)."""
     project = forked_runs.project_command(command)
     if project is not None:
         return forked_runs.run(*project, expect=expect, timeout=timeout, env=env)
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=scaled(timeout),
                             env={**os.environ, **(env or {})})
     assert result.returncode == expect, result.stderr[-3000:]
     return result

@@ -21,6 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.machine_speed import scaled
+
 PACKAGES = ("slurm-wlm", "munge")
 
 
@@ -114,6 +116,7 @@ class SlurmCluster:
         self.started.append(Path("/run/munge/munged.pid"))
 
     def wait_for_idle_node(self, timeout_s: float = 60) -> None:
+        timeout_s = scaled(timeout_s)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
@@ -128,7 +131,7 @@ class SlurmCluster:
             jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
             if jobs:
                 subprocess.run(["scancel", *jobs], capture_output=True)
-                deadline = time.time() + 30
+                deadline = time.time() + scaled(30)
                 while time.time() < deadline and \
                         subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.strip():
                     time.sleep(0.5)

@@ -10,6 +10,8 @@ import pytest
 
 from pretrain.__main__ import main
 
+from tests.machine_speed import scaled
+
 ROOT = Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
 
@@ -173,7 +175,7 @@ def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_pa
     script = f"mount -t tmpfs -o ro,size=1m tmpfs {disk}; {command} 2> {tmp_path}/err; echo $? > {tmp_path}/code"
     namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
         ["unshare", "--user", "--map-root-user", "--mount"]
-    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=120)
+    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=scaled(120))
     err = (tmp_path / "err").read_text().strip()
     assert (tmp_path / "code").read_text().strip() == "2" and len(err.splitlines()) == 1, err
     assert f"error: cannot write {disk}: Read-only file system" in err

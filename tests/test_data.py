@@ -12,6 +12,8 @@ from pretrain.data.loader import build_image_loader, build_view_loader
 from pretrain.data.views import ViewGroup, pair_iou
 from pretrain.data.writer import list_image_folder, write_image_folder
 
+from tests.machine_speed import scaled
+
 GROUPS = [ViewGroup(count=2, size=24, scale=(0.3, 0.9), ratio=(0.5, 2.0)),
           ViewGroup(count=3, size=12, scale=(0.1, 0.4), blur_p=0.5, solarize_p=0.5)]
 IMAGE_SHAPES = [(24, 48), (48, 24), (32, 32), (20, 60)]          # (height, width): aspect matters for boxes
@@ -73,7 +75,7 @@ def test_stopping_an_ffcv_epoch_early_ends_its_decode_thread(ffcv_loader, batche
         next(epoch)
     closer = threading.Thread(target=epoch.close)
     closer.start()
-    closer.join(timeout=60)
+    closer.join(timeout=scaled(60))
     assert not closer.is_alive(), "closing an FFCV epoch early hung"
     assert [t for t in threading.enumerate() if isinstance(t, EpochIterator)] == []
 

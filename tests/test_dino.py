@@ -22,6 +22,7 @@ from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
 from pretrain.methods import build_method
 from pretrain.methods.base import Method
 from pretrain.runtime.optim import build_optimizer, set_schedule_values
+from tests.machine_speed import scaled
 from tests.engine_helpers import DINO_MULTI_CROP, start_worker
 
 ROOT = Path(__file__).parents[1]
@@ -436,7 +437,7 @@ def two_process_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dino_two_processes")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "tests.test_dino", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300), check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

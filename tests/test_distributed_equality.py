@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.machine_speed import scaled
 from tests.engine_helpers import DINO_MULTI_CROP, start_worker
 
 ROOT = Path(__file__).parents[1]
@@ -152,7 +153,7 @@ def results(tmp_path_factory) -> dict:
     for processes in (1, 2):
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                               str(processes), "-m", "tests.test_distributed_equality", str(out)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+                             cwd=ROOT, capture_output=True, text=True, timeout=scaled(600), check=False)
         assert run.returncode == 0, run.stderr[-4000:]
     return torch.load(out / "world2.pt", weights_only=False)
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.machine_speed import scaled
 from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for,
                                   one_sgd_step_and_its_reference, start_worker, views_and_boxes)
 
@@ -194,7 +195,7 @@ def results(tmp_path_factory) -> dict:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in range(PARTS)]
     merged = {"bf16": {}}
     for part, process in enumerate(workers):
-        _, stderr = process.communicate(timeout=600)
+        _, stderr = process.communicate(timeout=scaled(600))
         assert process.returncode == 0, stderr[-4000:]
         results = json.loads((out / f"results{part}.json").read_text())
         merged["bf16"].update(results.pop("bf16"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.machine_speed import scaled
 from tests import forked_runs
 from tests.conftest import wait_for
 
@@ -37,7 +38,7 @@ def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(di
     assert (run_dir / "eval/knn_step0000006.json").is_file()
     assert not (run_dir / "eval/linear_step0000006.json").exists()
 
-    assert pretraining.wait(timeout=240) == 0, pretraining.stderr[-3000:]
+    assert pretraining.wait(timeout=scaled(240)) == 0, pretraining.stderr[-3000:]
     # A step published but whose export is gone (rotated away by engine.keep_exports) is listed, not waited for.
     with open(run_dir / "exports/published.txt", "a") as published:
         published.write("10\n")
@@ -158,7 +159,7 @@ def test_a_second_watcher_is_told_to_leave_the_first_running_not_to_rename_the_r
         assert main(["watch", "--run", str(run_dir)]) == 2
     finally:
         holder.kill()
-        holder.wait()
+        holder.wait(timeout=scaled(60))
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "another watcher follows this run" in error
     assert "leave it running" in error and "name=" not in error

@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.config import load_config
 from pretrain.models import create_backbone
+from tests.machine_speed import scaled
 from tests.conftest import wait_for
 from tests.run_helpers import kill_process_tree, logged, run, start
 
@@ -69,14 +70,14 @@ def test_killed_then_stopped_run_resumes_at_the_right_step(digits, tmp_path):
     first = start(finetune_command(run_dir, *common))      # forked from a server that imported torch: fast start
     wait_for(latest.exists, first)
     kill_process_tree(first.pid)
-    first.wait()
+    first.wait(timeout=scaled(60))
     killed_at = int(latest.read_text().strip().removeprefix("step"))
     assert killed_at % 2 == 0 and 2 <= killed_at < 16
 
     second = start(finetune_command(run_dir, *common))
     wait_for(lambda: int(latest.read_text().strip().removeprefix("step")) > killed_at, second)
     second.send_signal(signal.SIGTERM)
-    second.wait(timeout=120)
+    second.wait(timeout=scaled(120))
     assert second.returncode == 128 + signal.SIGTERM, second.stderr[-2000:]
     assert f"resumed {finetune_dir} at step {killed_at} " in second.stdout
     stopped_at = int(latest.read_text().strip().removeprefix("step"))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.machine_speed import scaled
 from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, ROOT, TINY, engine_for, one_sgd_step_and_its_reference,
                                   start_worker, views_and_boxes)
 
@@ -119,7 +120,7 @@ def results(tmp_path_factory) -> dict:
     workers = {part: subprocess.Popen([sys.executable, "-m", "tests.test_gradient_edits", str(out), part], cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in PARTS}
     for process in workers.values():
-        _, stderr = process.communicate(timeout=600)
+        _, stderr = process.communicate(timeout=scaled(600))
         assert process.returncode == 0, stderr[-4000:]
     return {part: json.loads((out / f"{part}.json").read_text()) for part in PARTS}
 

@@ -13,6 +13,7 @@ import yaml
 from launch.benchmark_file import Row, check_same_benchmark, load_benchmark, select_rows, select_seeds
 from launch.benchmark_results import FINAL, Run, mark_keys, markdown, row_curve, summarise
 from launch.cluster import LaunchError
+from tests.machine_speed import scaled
 from tests import forked_runs
 from tests.conftest import wait_for
 from tests.run_helpers import ROOT, kill_process_tree
@@ -44,7 +45,7 @@ def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their
     simclr = out / "rows" / "simclr_seed0"
     wait_for(lambda: (simclr / "checkpoints" / "latest").exists(), first, "the SimCLR row's first checkpoint")
     kill_process_tree(first.pid)                  # the benchmark and the job it runs, as a lost session
-    first.wait()
+    first.wait(timeout=scaled(60))
     job = json.loads((simclr / "jobs.jsonl").read_text())["job_id"]     # a local job's id is its process's
     for _ in range(600):                          # gone, not dying: a job alive when the benchmark restarts is awaited
         if not Path(f"/proc/{job}").exists():

@@ -25,6 +25,7 @@ import pytest
 from pretrain.export import published_export_steps
 from tests import forked_runs
 from tests.run_helpers import hand_computed_lr
+from tests.machine_speed import scaled
 from tests.slurm_cluster import SlurmCluster
 from tests.test_finetune import CONFIG as FINETUNE_CONFIG, write_export
 
@@ -61,9 +62,10 @@ def submitted(stdout: str) -> list[str]:
 
 
 def wait_until(condition, what: str, timeout: float = 400) -> None:
-    deadline = time.time() + timeout
+    """Poll `condition()` until it holds, at most `timeout` s on the reference CPU (tests/machine_speed.py)."""
+    deadline = time.time() + scaled(timeout)
     while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
+        assert time.time() < deadline, f"timed out after {scaled(timeout):.0f} s waiting for {what}"
         time.sleep(0.5)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pretrain.online_monitors import RANKME_EPS, OnlineLinearProbe, rankme
+from tests.machine_speed import scaled
 from tests.engine_helpers import CONFIGS, ROOT, TINY, engine_for, start_worker, views_and_boxes
 
 
@@ -146,7 +147,7 @@ def test_the_online_probe_never_changes_what_the_engine_trains(digits, tmp_path)
     and under ZeRO 0 and 2, three steps with the probe equal three steps without it, bit for bit, while the
     probe itself moved and logged its accuracy."""
     finished = subprocess.run([sys.executable, "-m", "tests.test_online_monitors", str(tmp_path), str(digits)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600, check=False)
+                              capture_output=True, text=True, timeout=scaled(600), check=False)
     assert finished.returncode == 0, finished.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for stage, result in results.items():

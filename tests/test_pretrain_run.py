@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.config import load_config
 from pretrain.runtime.graceful_stop import GracefulStop
+from tests.machine_speed import scaled
 from tests.conftest import wait_for
 from tests.run_helpers import ROOT, hand_computed_lr, kill_process_tree, logged, run, start
 
@@ -175,7 +176,7 @@ def test_resumed_run_equals_the_uninterrupted_one_across_an_epoch_with_a_remaind
     first = start(pretrain_command(killed, digits, *common))
     wait_for(lambda: (killed / "checkpoints/latest").exists(), first)
     kill_process_tree(first.pid)
-    first.wait()
+    first.wait(timeout=scaled(60))
     resumed = run(pretrain_command(killed, digits, *common))
     killed_at = int(resumed.stdout.split("at step ")[1].split()[0])
     assert 3 <= killed_at < 16
@@ -211,7 +212,7 @@ def test_two_processes_zero2_bf16_killed_then_resumed_at_the_right_step(digits, 
     latest = run_dir / "checkpoints" / "latest"
     wait_for(latest.exists, first)
     kill_process_tree(first.pid)                   # a crash: no clean shutdown, no final checkpoint
-    first.wait()
+    first.wait(timeout=scaled(60))
     time.sleep(1)
     assert not (run_dir / "finished.json").exists()
     killed_at = int(latest.read_text().strip().removeprefix("step"))
@@ -276,7 +277,7 @@ def test_sigterm_finishes_the_step_saves_a_checkpoint_and_the_run_resumes(digits
     process = start(pretrain_command(run_dir, digits, *common))
     wait_for(lambda: logged_steps(run_dir) >= 2, process)
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
+    process.wait(timeout=scaled(120))
     stderr = process.stderr
     assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "SIGTERM: stopping after this optimizer step" in stderr and "stopped on a signal after step" in stderr
@@ -301,7 +302,7 @@ def test_a_second_signal_exits_at_once():
         "time.sleep(0.6)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
         "print('still running', flush=True)\n")
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=scaled(60))
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     assert f"requested {int(signal.SIGTERM)}" in result.stdout and "still running" not in result.stdout
     assert "SIGTERM again: exiting now" in result.stderr
@@ -336,7 +337,7 @@ def test_the_schedulers_warning_then_its_sigterm_is_one_stop_and_an_early_warnin
         "os.environ[PENDING_STOP_SIGNAL] = str(int(signal.SIGUSR2))\n"
         "later = GracefulStop()\n"
         "print('adopted', later.requested_on_any_rank(torch.device('cpu')), PENDING_STOP_SIGNAL in os.environ)\n")
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=scaled(60))
     assert result.returncode == 0, result.stderr
     assert f"requested {int(warning)}" in result.stdout                         # still running: one stop
     assert f"adopted {int(signal.SIGUSR2)} False" in result.stdout
@@ -369,7 +370,7 @@ def test_a_time_budget_ends_the_run_as_a_finished_one_and_a_killed_run_keeps_its
     first = start(pretrain_command(run_dir, digits, *budget))
     wait_for(lambda: trained_seconds_of_latest_checkpoint(run_dir) >= 2 * mark_s, first)
     kill_process_tree(first.pid)
-    first.wait()
+    first.wait(timeout=scaled(60))
     killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
     clock_at_kill = trained_seconds_of_latest_checkpoint(run_dir)
     assert 2 * mark_s <= clock_at_kill < budget_s and not (run_dir / "finished.json").exists()
@@ -411,7 +412,7 @@ def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(di
     assert f"is in use by pid {first.pid}" in second.stderr and "another name=" in second.stderr
     assert first.poll() is None                                     # the first run trains on, undisturbed
     kill_process_tree(first.pid)
-    first.wait()
+    first.wait(timeout=scaled(60))
     assert not list((run_dir / "checkpoints").glob("step*"))         # killed before its first checkpoint
 
     third = run(pretrain_command(run_dir, digits, *common, "engine.max_steps=3"))
@@ -445,7 +446,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_complete_one_and_the_run
     """
     namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
         ["unshare", "--user", "--map-root-user", "--mount"]
-    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=300)
+    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=scaled(300))
 
     first_error = (out / "first.err").read_text()
     assert (out / "first.code").read_text().strip() == "2", first_error[-3000:]

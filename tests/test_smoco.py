@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pretrain.config import ConfigError, load_config
 from pretrain.hvs import candidate_combinations, select_hard_views
 from pretrain.methods import build_method
+from tests.machine_speed import scaled
 from tests.engine_helpers import start_worker
 
 ROOT = Path(__file__).parents[1]
@@ -271,7 +272,7 @@ def two_process_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("smoco_two_processes")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "tests.test_smoco", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300), check=False,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -303,7 +304,7 @@ def pretrain(run_dir: Path, data: Path, *overrides: str) -> subprocess.Completed
                f"data.train={data / 'train.beton'}", f"data.val={data / 'test.beton'}", *TINY,
                "hvs.enabled=true", "engine.checkpoint_every_steps=1", "engine.keep_checkpoints=10",
                "engine.log_every_steps=1", "method.momentum=0.9", "optim.warmup_epochs=0", "optim.lr=0.01", *overrides]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300), check=False,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     return result

@@ -15,6 +15,7 @@ from PIL import Image
 
 from pretrain.data.digits import digits_images, digits_split, write_digits
 from pretrain.data.writer import classes_path, list_image_folder, skipped_report_path, write_image_folder
+from tests.machine_speed import scaled
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,17 +181,17 @@ def test_a_killed_write_leaves_the_previous_beton_untouched(tmp_path):
         "write_beton(sys.argv[1], ArrayImageSet(load, [0] * n, None), workers=1)\n"
         "print('written', flush=True)\n")
     first = subprocess.run([sys.executable, "-c", script, str(out), "5", "0"], cwd=REPO_ROOT, capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=scaled(120))
     assert "written" in first.stdout, first.stderr[-2000:]
     before = out.read_bytes()
     slow = subprocess.Popen([sys.executable, "-c", script, str(out), "400", "0.05"], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.time() + 60
+    deadline = time.time() + scaled(60)
     while not (tmp_path / ".data.beton.partial").exists() and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)                                          # well into writing the 400 samples
     os.killpg(slow.pid, signal.SIGKILL)                      # the writer and its FFCV worker processes
-    slow.wait()
+    slow.wait(timeout=scaled(60))
     assert out.read_bytes() == before                        # the old file, whole
     assert Reader(str(out)).num_samples == 5
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".beton") == ["data.beton"]
@@ -199,7 +200,7 @@ def test_a_killed_write_leaves_the_previous_beton_untouched(tmp_path):
     segment = Path("/dev/shm") / (tmp_path / ".data.beton.partial.shm").read_text()
     assert segment.exists()
     again = subprocess.run([sys.executable, "-c", script, str(out), "5", "0"], cwd=REPO_ROOT, capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=scaled(120))
     assert "written" in again.stdout and f"the shared memory {segment.name}" in again.stderr, again.stderr[-2000:]
     assert not segment.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["data.beton"]
 
@@ -273,11 +274,11 @@ def test_a_full_disk_ends_the_write_with_the_reason_and_no_partial_file(tmp_path
     write = " ".join(shlex.quote(part) for part in [sys.executable, "-m", "pretrain.data", "write", "--image-folder",
                                                     str(tmp_path / "images"), "--out", str(disk / "x.beton"),
                                                     "--write-mode", "raw"])
-    script = (f"mount -t tmpfs -o size=300k tmpfs {disk}; timeout 120 {write} 2> {tmp_path}/err; "
+    script = (f"mount -t tmpfs -o size=300k tmpfs {disk}; timeout {scaled(120):.0f} {write} 2> {tmp_path}/err; "
               f"echo $? > {tmp_path}/code; ls -A {disk} > {tmp_path}/left")
     namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
         ["unshare", "--user", "--map-root-user", "--mount"]
-    subprocess.run([*namespace, "bash", "-c", script], check=True, timeout=180)
+    subprocess.run([*namespace, "bash", "-c", script], check=True, timeout=scaled(180))
     last_line = (tmp_path / "err").read_text().strip().splitlines()[-1]
     assert (tmp_path / "code").read_text().strip() == "2", last_line        # not 124: it did not hang
     assert last_line.startswith("error: ") and "no space left on device" in last_line
@@ -288,6 +289,7 @@ SLOW_WRITE = """
 import sys, time
 import numpy as np
 from pretrain.data.writer import ArrayImageSet, write_beton
+
 
 def image(i):
     time.sleep(0.02)                  # 400 images on 2 workers: about 4 s, time to be killed in the middle
@@ -323,7 +325,7 @@ def test_a_write_killed_with_sigkill_leaves_no_worker_and_the_next_write_removes
     def start_and_wait_for_the_workers() -> subprocess.Popen:
         process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, str(out)], cwd=REPO_ROOT, start_new_session=True,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
+        deadline = time.time() + scaled(60)
         while not (record.exists() and record.read_text() and worker_pids(process.pid)):
             assert process.poll() is None and time.time() < deadline, "the write ended before it was killed"
             time.sleep(0.05)
@@ -333,8 +335,8 @@ def test_a_write_killed_with_sigkill_leaves_no_worker_and_the_next_write_removes
     process = start_and_wait_for_the_workers()
     workers, segment = worker_pids(process.pid), record.read_text()
     os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    deadline = time.time() + 20
+    process.wait(timeout=scaled(60))
+    deadline = time.time() + scaled(20)
     while any(Path(f"/proc/{pid}").exists() for pid in workers) or Path(f"/dev/shm/{segment}").exists():
         assert time.time() < deadline, f"workers {workers} or /dev/shm/{segment} outlived the killed write"
         time.sleep(0.1)
@@ -344,7 +346,7 @@ def test_a_write_killed_with_sigkill_leaves_no_worker_and_the_next_write_removes
     process = start_and_wait_for_the_workers()
     segment = record.read_text()
     os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    process.wait(timeout=scaled(60))
     time.sleep(0.5)
     assert Path(f"/dev/shm/{segment}").exists() and partial.exists()
     capsys.readouterr()

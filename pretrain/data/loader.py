@@ -27,7 +27,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from pretrain.data import DatasetError
 from pretrain.data.augment import augment_views, canvas_to_device, normalise
@@ -170,11 +169,12 @@ class TorchvisionViewLoader(ViewLoader):
         if not ordered:
             return
         self.dataset.draw_seed = (self.seed, epoch)     # each image's views are drawn from (seed, epoch, image)
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=ordered, drop_last=self.drop_last,
-                            num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
-                            persistent_workers=False)
+        from pretrain.data.torchvision_loader import worker_batches  # heavy: torchvision
+
         non_blocking = self.device.type == "cuda"
-        for views, boxes, labels, indices in loader:
+        for views, boxes, labels, indices in worker_batches(self.dataset, self.num_workers, batch_size=self.batch_size,
+                                                            sampler=ordered, drop_last=self.drop_last,
+                                                            pin_memory=self.device.type == "cuda"):
             yield ViewBatch(views=[v.to(self.device, non_blocking=non_blocking) for v in views],
                             boxes=[b.to(self.device, non_blocking=non_blocking) for b in boxes],
                             labels=labels.to(self.device), indices=indices.to(self.device))
@@ -324,8 +324,10 @@ class TorchvisionImageLoader:
         return -(-self.num_images // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        for images, labels, indices in DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False,
-                                                  num_workers=self.num_workers):
+        from pretrain.data.torchvision_loader import worker_batches  # heavy: torchvision
+
+        for images, labels, indices in worker_batches(self.dataset, self.num_workers, batch_size=self.batch_size,
+                                                      shuffle=False):
             yield images.to(self.device), labels.to(self.device), indices.to(self.device)
 
 

@@ -8,8 +8,10 @@ fractions of the source width / height.
 """
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from PIL import Image, ImageOps
@@ -47,6 +49,47 @@ def open_rgb(path: Path) -> Image.Image:
         reason = " ".join(str(error).split())
         raise DatasetError(f"Cannot read {path} ({reason}); `python -m pretrain.data write` lists every unreadable "
                            f"image of a folder in OUT.skipped.txt: remove them from the folder.") from error
+
+
+# A batch that no worker delivers in this long means a worker is stuck: the wait ends, naming the workers.
+WORKER_BATCH_TIMEOUT_S = 300
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """How the DataLoader workers start: forked from multiprocessing's forkserver, a process of its own that imported
+    torch and this module once and never ran a thread, a process group or a lock of the caller's. A worker forked
+    from the caller itself inherits whatever the caller's other threads held at that moment: one such worker hung for
+    good in gloo's process-group destructor (a group an earlier in-process run had dropped, freed by the worker's
+    garbage collector), and threads of FFCV, tqdm or numba can leave a lock held the same way. The forkserver costs
+    its start once per process (about 2 s here: it imports torch); each worker then starts as fast as a fork.
+    Modules another caller asked the forkserver to preload are kept (the tests preload the whole pipeline)."""
+    context = multiprocessing.get_context("forkserver")
+    # the forkserver's preload list as set so far (multiprocessing keeps no public getter): kept, this module added
+    preloaded = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", [])
+    context.set_forkserver_preload(sorted({*preloaded, __name__}))
+    return context
+
+
+def worker_batches(dataset: torch.utils.data.Dataset, num_workers: int, **options: Any) -> Iterator[Any]:
+    """The batches of `torch.utils.data.DataLoader(dataset, num_workers=num_workers, **options)`, its workers started
+    by `worker_context`; a batch not delivered within WORKER_BATCH_TIMEOUT_S raises TimeoutError naming the workers."""
+    loader = torch.utils.data.DataLoader(
+        dataset, num_workers=num_workers, **options,
+        **({"multiprocessing_context": worker_context(), "timeout": WORKER_BATCH_TIMEOUT_S} if num_workers else {}))
+    iterator = iter(loader)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except RuntimeError as error:
+            if not str(error).startswith("DataLoader timed out"):
+                raise
+            workers = ", ".join(str(worker.pid) for worker in getattr(iterator, "_workers", []))
+            raise TimeoutError(f"no DataLoader worker (pid {workers}) delivered a batch of {len(dataset)} images in "
+                               f"{WORKER_BATCH_TIMEOUT_S} s: a worker is stuck (py-spy dump --pid PID shows where); "
+                               "data.num_workers=0 reads the images in the training process instead") from error
+        yield batch
 
 
 class ImageFolderImages(torch.utils.data.Dataset):

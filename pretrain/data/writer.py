@@ -30,7 +30,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -259,6 +258,11 @@ def write_beton(out_path: str | Path, dataset: ArrayImageSet, *, write_mode: str
     cache_numba_typed_dict()                # before FFCV's import compiles its typed Dict
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
+    from tqdm import tqdm
+
+    # FFCV's progress bar would start tqdm's monitor thread, which then lives beside every later fork of the
+    # process (the next write's workers); 0 is tqdm's way to have none.
+    tqdm.monitor_interval = 0
 
     if write_mode not in ("jpg", "raw"):
         raise ValueError(f"write_mode must be 'jpg' or 'raw', got {write_mode!r}.")
@@ -365,53 +369,54 @@ def children_die_with_their_parent() -> Iterator[None]:
         _CHILDREN_DIE_WITH_THEIR_PARENT = False
 
 
-def run_watching_workers_and_disk(write, tmp: Path, page_size: int, stalled_s: float = 5.0,
-                                  poll_s: float = 0.5) -> None:
-    """Run FFCV's `write()` while watching its worker processes and the file it writes. FFCV's parent waits for
-    its workers' progress without looking at them, so it would wait forever in two cases:
-    - a worker ended before the write was done (an exception in the dataset, a segfault, the OOM killer) on a
-      disk with room: the other workers are terminated and a ChildProcessError names the worker's exit (its
-      traceback, if any, is above on stderr);
-    - the filesystem is full and the file has not grown for `stalled_s` (the workers died on ENOSPC): the workers
-      are terminated and an OSError says "no space left on device".
-    Either way the caller removes the partial file. FFCV's own errors are raised as they are."""
-    outcome: list[BaseException | None] = []
+def run_watching_workers_and_disk(write, tmp: Path, page_size: int) -> None:
+    """Run FFCV's `write()` in this thread while watching its worker processes. FFCV's parent waits for its workers'
+    progress without looking at them, so it would wait forever when a worker ends before the write is done (an
+    exception in the dataset, a segfault, the OOM killer, a full disk). A worker's end reaches this process as
+    SIGCHLD; the handler, run in this thread between two of FFCV's waits, terminates the other workers and raises:
+    - OSError (ENOSPC) when the filesystem has no room for another page (the workers die on "no space left");
+    - else a ChildProcessError naming the worker's exit (its traceback, if any, is above on stderr).
+    Either way the caller removes the partial file. FFCV's own errors are raised as they are.
 
-    def target() -> None:
-        try:
-            write()
-            outcome.append(None)
-        except BaseException as error:              # handed to the calling thread
-            outcome.append(error)
-
+    No thread watches: FFCV forks its workers from this thread while no thread of ours runs (a worker forked beside
+    another thread inherits whatever that thread held at the moment of the fork, and numba's TBB pool is fork-safe
+    only from the main thread). Called from a thread other than the main one (where no signal handler can be set),
+    FFCV writes unwatched."""
+    if threading.current_thread() is not threading.main_thread():
+        write()
+        return
     children_before = set(child_processes())
-    thread = threading.Thread(target=target, name="ffcv-writer", daemon=True)   # a stuck one dies with us
-    thread.start()
-    size, since = -1, time.monotonic()
-    while thread.is_alive():
-        thread.join(poll_s)
+    raised: list[BaseException] = []            # what the handler raised: it is told without FFCV's frames
+
+    def on_a_child_ending(signum, frame) -> None:
         ended = {pid: status for pid, status in child_processes().items()
                  if pid not in children_before and status not in (None, 0)}
-        disk_full = shutil.disk_usage(tmp.parent).free < page_size
-        if ended and thread.is_alive() and not disk_full:      # on a full disk, the workers end on ENOSPC: below
-            stop_workers(children_before)
+        if not ended or raised:     # raised: the workers this handler stops end too, and signal again
+            return
+        if shutil.disk_usage(tmp.parent).free < page_size:
+            raised.append(OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
+                                                f"({shutil.disk_usage(tmp.parent).free} bytes free): free some "
+                                                "space, or write the .beton elsewhere (--out)"))
+        else:
             pid, status = next(iter(ended.items()))
             code = os.waitstatus_to_exitcode(status)
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            raise ChildProcessError(f"an FFCV writer worker (pid {pid}) ended with {how} before the write to "
-                                    f"{tmp.parent} was done (its error, if it printed one, is above); nothing was "
-                                    "written: run the write again")
-        current = tmp.stat().st_size if tmp.exists() else 0
-        if current != size:
-            size, since = current, time.monotonic()
-            continue
-        if time.monotonic() - since > stalled_s and disk_full:
-            stop_workers(children_before)
-            raise OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
-                                        f"({shutil.disk_usage(tmp.parent).free} bytes free): free some space, "
-                                        "or write the .beton elsewhere (--out)")
-    if outcome and outcome[0] is not None:
-        raise outcome[0]
+            raised.append(ChildProcessError(f"an FFCV writer worker (pid {pid}) ended with {how} before the write "
+                                            f"to {tmp.parent} was done (its error, if it printed one, is above); "
+                                            "nothing was written: run the write again"))
+        stop_workers(children_before)
+        raise raised[0]
+
+    previous = signal.signal(signal.SIGCHLD, on_a_child_ending)
+    try:
+        write()
+    except (OSError, ChildProcessError) as error:
+        if error not in raised:
+            raise
+        # without FFCV's frames, which hold its progress bar: it closes (prints) now, not after the error is told
+        raise error.with_traceback(None) from None
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
 
 
 def stop_workers(children_before: set[int]) -> None:

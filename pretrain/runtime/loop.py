@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -50,6 +51,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from pretrain.runtime.checkpoint import Checkpointer, run_layout
+from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native, emulated_bf16_warning
 from pretrain.runtime.cpu_threads import configure_threads
 from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
 from pretrain.runtime.divergence import NonFiniteLoss
@@ -145,6 +147,8 @@ def run_training(stage: Stage) -> Any:
     threads = configure_threads(options.threads)              # after the launcher's LOCAL_WORLD_SIZE is known
     if rank == 0 and device.type == "cpu":
         print(f"{world_size} process(es) on the CPU, {threads} thread(s) each (engine.threads)", flush=True)
+        if uses_bf16(options, device) and not cpu_bf16_is_native():
+            print(emulated_bf16_warning(), file=sys.stderr, flush=True)
     created = first_missing_directory(stage.run_dir)    # what a refused fresh start must not leave behind
     try:
         create_run_directory(stage.run_dir)

@@ -1,0 +1,51 @@
+"""Whether this CPU computes bf16 natively, as torch will run it here: one answer for the training loop (its warning
+at start-up) and the tests (which run their smallest bf16 cases where it is emulated).
+
+torch's CPU bf16 convolutions and matrix products go through oneDNN (and ATen's vectorised kernels). With the AVX-512
+BF16 or AMX instructions they run in hardware; without them (an AVX2-only CPU such as AMD EPYC 7003 "Milan", or
+Intel before Cooper Lake) oneDNN falls back to kernels that convert every element: a ResNet-18 training step under
+bf16 autocast ran 50x slower than fp32 on an AVX2-only EPYC (issue 48; docs/benchmarks.md, "bf16 on a CPU without
+native bf16"). Capping the instruction sets torch may use (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) puts a
+faster CPU in the same place, and the answer follows them.
+"""
+from __future__ import annotations
+
+import os
+
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA) below AVX512_CORE_BF16: with one of
+# these, oneDNN emits no native bf16 instruction whatever the CPU has.
+ONEDNN_CAPS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def cpu_bf16_is_native() -> bool:
+    """True when this CPU has AVX-512 BF16 or AMX, torch's kernels may use AVX-512 (ATEN_CPU_CAPABILITY), and
+    oneDNN's ISA is not capped below AVX512_CORE_BF16 (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA)."""
+    import torch
+
+    hardware = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    aten = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    return hardware and aten and cap not in ONEDNN_CAPS_WITHOUT_BF16
+
+
+def cpu_description() -> str:
+    """'MODEL (torch: CAPABILITY)', e.g. 'AMD EPYC (torch: AVX2)': what the warning and the docs name."""
+    import torch
+
+    model = "this CPU"
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} (torch: {torch.backends.cpu.get_cpu_capability()})"
+
+
+def emulated_bf16_warning() -> str:
+    """The one line a CPU run with engine.precision=bf16 prints where bf16 is not native."""
+    return (f"warning: engine.precision=bf16 on a CPU without native bf16 ({cpu_description()}; no AVX-512 BF16 or "
+            "AMX, or capped by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA): torch emulates it here, a ResNet-18 step "
+            "about 50x slower than fp32 on such a CPU (docs/benchmarks.md). Use engine.precision=fp32 on this "
+            "machine; bf16 pays on GPUs and on CPUs with AVX-512 BF16 or AMX.")
