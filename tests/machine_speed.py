@@ -2,21 +2,21 @@
 which every timeout and wait of the suite is scaled (`scaled(seconds)`), so that no test passes or fails by the
 CPU's speed alone.
 
-The measure is a short reference step: one training step (forward, backward, SGD) of the project's ResNet-18 with
-its stride-2 stem on a batch of 256 16-px images, fp32, torch's default threads, the median of 3 after one warm-up.
+The measure is a short reference step (pretrain/bench/precision.py: ReferenceStep): one training step (forward,
+backward, SGD) of the project's ResNet-18 with its stride-2 stem on a batch of 256 16-px images, fp32, torch's
+default threads, the median of 3 after one warm-up.
 On the CPU the suite was tuned on (AMD EPYC with AVX-512 and AVX-512 BF16, 2 cores, idle) the same step ran at 747
 images/s (../shared/ENVIRONMENT.md, "Threads on a shared CPU"): REFERENCE_STEP_S. The factor is the measured median
 over that, and never below 1 (a faster machine keeps the tuned waits).
 
 `make test` measures once (`python -m tests.machine_speed` prints the factor) and hands it to both of its pytests in
-HARDVIEW_TEST_SLOWNESS; a pytest started without it measures at its first timed wait. Setting it by hand
-(HARDVIEW_TEST_SLOWNESS=3 pytest ...) replaces the measurement.
+HARDVIEW_TEST_SLOWNESS; a pytest started without it measures as it starts (its header line prints the factor).
+Setting it by hand (HARDVIEW_TEST_SLOWNESS=3 pytest ...) replaces the measurement.
 """
 from __future__ import annotations
 
 import os
 import statistics
-import time
 
 REFERENCE_STEP_S = 256 / 747
 ENV = "HARDVIEW_TEST_SLOWNESS"
@@ -25,23 +25,12 @@ _slowness: float | None = None
 
 
 def reference_step_seconds(rounds: int = 3) -> float:
-    """The median time of the reference step here (see the module docstring)."""
-    import torch
+    """The median time of the reference step here (see the module docstring), after one warm-up step."""
+    from pretrain.bench.precision import ReferenceStep
 
-    from pretrain.models import create_backbone
-
-    torch.manual_seed(0)
-    backbone = create_backbone("resnet18", "small_stride2").train()
-    optimizer = torch.optim.SGD(backbone.parameters(), lr=0.01)
-    images = torch.randn(256, 3, 16, 16)
-    times = []
-    for _ in range(rounds + 1):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        backbone(images).square().mean().backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    step = ReferenceStep(batch=256, side=16)
+    step.seconds()
+    return statistics.median(step.seconds() for _ in range(rounds))
 
 
 def slowness() -> float:

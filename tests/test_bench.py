@@ -21,6 +21,11 @@ def test_bench_commands_run_and_write_their_tables(tmp_path):
     forked_runs.run("pretrain.bench", ["hvs", "--batch-size", "8", "--steps", "1", "--warmup", "1", "--out",
                                        tmp_path / "hvs.json"])
     assert json.loads((tmp_path / "hvs.json").read_text())
+    precision = forked_runs.run("pretrain.bench", ["precision", "--batch-size", "2", "--size", "8", "--rounds", "2",
+                                                   "--out", tmp_path / "precision.json"])
+    result = json.loads((tmp_path / "precision.json").read_text())
+    assert result["rounds"] == 2 and result["fp32_step_s"]["min"] > 0 and result["bf16_over_fp32"]["median"] > 0
+    assert "bf16 / fp32 step time, per round: median" in precision.stdout
 
 
 def test_the_train_benchmarks_overrides_reach_every_table_it_times():

@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|peers|train [options]`. Each prints a table and writes JSON.
+"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|peers|train|precision [options]`. Each prints a table and writes JSON.
 
 `loader` measures images/s of the FFCV N-view loader against the torchvision DataLoader path on the same
 64 px JPEGs (an image folder and the .beton written from it), N = 2 and 4 views of 32 px, SimCLR recipe
@@ -13,7 +13,8 @@ cores per GPU, and (2) images per CPU second when everything runs on the CPU.
 `peers` compares this project with lightly at equal settings on Fashion-MNIST (accuracy per epoch, images/s).
 `train` times the whole pretraining step against a plain PyTorch loop of the same model, splits it by phase, and
 runs it on 2 processes and beside busy ones.
-One module per benchmark (loader, hvs, gpu, peers, train), each with its `add_<name>_command(commands)`, called in
+`precision` times the same ResNet-18 step in fp32 and under bf16 autocast in alternating rounds, on this CPU.
+One module per benchmark (loader, hvs, gpu, peers, train, precision), each with its `add_<name>_command(commands)`, called in
 `build_parser`; images.py makes the images they read.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pretrain.bench.gpu import add_gpu_command
 from pretrain.bench.hvs import add_hvs_command
 from pretrain.bench.loader import add_loader_command
 from pretrain.bench.peers import add_peers_command
+from pretrain.bench.precision import add_precision_command
 from pretrain.bench.train import add_train_command
 from pretrain.runtime.argument_types import CommandLineParser
 from pretrain.runtime.memory_reuse import reuse_freed_memory
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gpu_command(commands)
     add_peers_command(commands)
     add_train_command(commands)
+    add_precision_command(commands)
     return parser
 
 

@@ -61,7 +61,10 @@ def worker_context() -> multiprocessing.context.BaseContext:
     from the caller itself inherits whatever the caller's other threads held at that moment: one such worker hung for
     good in gloo's process-group destructor (a group an earlier in-process run had dropped, freed by the worker's
     garbage collector), and threads of FFCV, tqdm or numba can leave a lock held the same way. The forkserver costs
-    its start once per process (about 2 s here: it imports torch); each worker then starts as fast as a fork.
+    its start once per process (it imports torch and torchvision: 6 s on a 2-core AMD EPYC without AVX-512); each
+    epoch's workers then start as fast as forked ones (docs/benchmarks.md, "How the loader's workers start").
+    As with every DataLoader on macOS and Windows, a script that builds this loader at its top level needs the
+    `if __name__ == "__main__":` guard (each worker imports the script's module); `python -m pretrain` has it.
     Modules another caller asked the forkserver to preload are kept (the tests preload the whole pipeline)."""
     context = multiprocessing.get_context("forkserver")
     # the forkserver's preload list as set so far (multiprocessing keeps no public getter): kept, this module added
