@@ -26,6 +26,12 @@ def test_bench_commands_run_and_write_their_tables(tmp_path):
     result = json.loads((tmp_path / "precision.json").read_text())
     assert result["rounds"] == 2 and result["fp32_step_s"]["min"] > 0 and result["bf16_over_fp32"]["median"] > 0
     assert "bf16 / fp32 step time, per round: median" in precision.stdout
+    workers = forked_runs.run("pretrain.bench", ["workers", "--images", "20", "--workers", "1", "--batch-size", "8",
+                                                 "--rounds", "1", "--data-dir", tmp_path / "data",
+                                                 "--out", tmp_path / "workers.json"])
+    result = json.loads((tmp_path / "workers.json").read_text())
+    assert set(result["epoch_s"]) == {"fork", "forkserver"} and result["forkserver_over_fork"]["median"] > 0
+    assert "forkserver / fork, per round: median" in workers.stdout
 
 
 def test_the_train_benchmarks_overrides_reach_every_table_it_times():

@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|peers|train|precision [options]`. Each prints a table and writes JSON.
+"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|peers|train|precision|workers [options]`. Each prints a table and writes JSON.
 
 `loader` measures images/s of the FFCV N-view loader against the torchvision DataLoader path on the same
 64 px JPEGs (an image folder and the .beton written from it), N = 2 and 4 views of 32 px, SimCLR recipe
@@ -14,7 +14,8 @@ cores per GPU, and (2) images per CPU second when everything runs on the CPU.
 `train` times the whole pretraining step against a plain PyTorch loop of the same model, splits it by phase, and
 runs it on 2 processes and beside busy ones.
 `precision` times the same ResNet-18 step in fp32 and under bf16 autocast in alternating rounds, on this CPU.
-One module per benchmark (loader, hvs, gpu, peers, train, precision), each with its `add_<name>_command(commands)`, called in
+`workers` times an epoch of the torchvision backend's workers started from the forkserver against forked ones.
+One module per benchmark (loader, hvs, gpu, peers, train, precision, workers), each with its `add_<name>_command(commands)`, called in
 `build_parser`; images.py makes the images they read.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pretrain.bench.loader import add_loader_command
 from pretrain.bench.peers import add_peers_command
 from pretrain.bench.precision import add_precision_command
 from pretrain.bench.train import add_train_command
+from pretrain.bench.workers import add_workers_command
 from pretrain.runtime.argument_types import CommandLineParser
 from pretrain.runtime.memory_reuse import reuse_freed_memory
 
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_peers_command(commands)
     add_train_command(commands)
     add_precision_command(commands)
+    add_workers_command(commands)
     return parser
 
 

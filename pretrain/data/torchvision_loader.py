@@ -55,7 +55,7 @@ def open_rgb(path: Path) -> Image.Image:
 WORKER_BATCH_TIMEOUT_S = 300
 
 
-def worker_context() -> multiprocessing.context.BaseContext:
+def worker_context(start_method: str = "forkserver") -> multiprocessing.context.BaseContext:
     """How the DataLoader workers start: forked from multiprocessing's forkserver, a process of its own that imported
     torch and this module once and never ran a thread, a process group or a lock of the caller's. A worker forked
     from the caller itself inherits whatever the caller's other threads held at that moment: one such worker hung for
@@ -65,20 +65,25 @@ def worker_context() -> multiprocessing.context.BaseContext:
     epoch's workers then start as fast as forked ones (docs/benchmarks.md, "How the loader's workers start").
     As with every DataLoader on macOS and Windows, a script that builds this loader at its top level needs the
     `if __name__ == "__main__":` guard (each worker imports the script's module); `python -m pretrain` has it.
-    Modules another caller asked the forkserver to preload are kept (the tests preload the whole pipeline)."""
-    context = multiprocessing.get_context("forkserver")
+    Modules another caller asked the forkserver to preload are kept (the tests preload the whole pipeline).
+    `start_method="fork"`: the workers forked from the caller, as torch's default (`python -m pretrain.bench workers`
+    measures both)."""
+    context = multiprocessing.get_context(start_method)
+    if start_method != "forkserver":
+        return context
     # the forkserver's preload list as set so far (multiprocessing keeps no public getter): kept, this module added
     preloaded = getattr(multiprocessing.forkserver._forkserver, "_preload_modules", [])
     context.set_forkserver_preload(sorted({*preloaded, __name__}))
     return context
 
 
-def worker_batches(dataset: torch.utils.data.Dataset, num_workers: int, **options: Any) -> Iterator[Any]:
+def worker_batches(dataset: torch.utils.data.Dataset, num_workers: int, start_method: str = "forkserver",
+                   **options: Any) -> Iterator[Any]:
     """The batches of `torch.utils.data.DataLoader(dataset, num_workers=num_workers, **options)`, its workers started
-    by `worker_context`; a batch not delivered within WORKER_BATCH_TIMEOUT_S raises TimeoutError naming the workers."""
-    loader = torch.utils.data.DataLoader(
-        dataset, num_workers=num_workers, **options,
-        **({"multiprocessing_context": worker_context(), "timeout": WORKER_BATCH_TIMEOUT_S} if num_workers else {}))
+    by `worker_context(start_method)`; a batch not delivered within WORKER_BATCH_TIMEOUT_S raises TimeoutError naming
+    the workers."""
+    context = {"multiprocessing_context": worker_context(start_method), "timeout": WORKER_BATCH_TIMEOUT_S}
+    loader = torch.utils.data.DataLoader(dataset, num_workers=num_workers, **options, **(context if num_workers else {}))
     iterator = iter(loader)
     while True:
         try:
