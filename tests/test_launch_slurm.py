@@ -25,7 +25,7 @@ import pytest
 from pretrain.export import published_export_steps
 from tests import forked_runs
 from tests.run_helpers import hand_computed_lr
-from tests.machine_speed import scaled
+from tests.machine_speed import scaled, slowness
 from tests.slurm_cluster import SlurmCluster
 from tests.test_finetune import CONFIG as FINETUNE_CONFIG, write_export
 
@@ -61,11 +61,17 @@ def submitted(stdout: str) -> list[str]:
 
 
 
-def wait_until(condition, what: str, timeout: float = 400) -> None:
-    """Poll `condition()` until it holds, at most `timeout` s on the reference CPU (tests/machine_speed.py)."""
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def wait_until(condition, what: str, timeout: float = 400, job: str | None = None) -> None:
+    """Poll `condition()` until it holds, at most `timeout` s on the reference CPU (tests/machine_speed.py); with
+    `job`, fail at once when that job has ended (Slurm's state) and the condition still does not hold."""
     deadline = time.time() + scaled(timeout)
     while not condition():
         assert time.time() < deadline, f"timed out after {scaled(timeout):.0f} s waiting for {what}"
+        if job is not None and scontrol_job(job).get("JobState") in ENDED and not condition():
+            raise AssertionError(f"job {job} ended ({scontrol_job(job)['JobState']}) before {what}")
         time.sleep(0.5)
 
 
@@ -137,13 +143,15 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
     """
     # A. Slurm sends the --signal warning up to 30 s earlier than asked (it checks time limits every 30 s), so each
     # 1-minute allocation is warned 25-55 s in, 5 s before the limit at the latest. The 170 steps take longer
-    # than that on this machine (about 51 s of steps after a 7-s start-up on an idle machine: once, 150 steps
-    # finished within the first allocation); later allocations share the rest, each warned the same way.
-    limited, stop = tmp_path / "limited", 170
+    # than that on the reference CPU (about 51 s of steps after a 7-s start-up on an idle machine: once, 150 steps
+    # finished within the first allocation); later allocations share the rest, each warned the same way. A slower
+    # machine takes fewer steps per allocation (an AVX2-only EPYC, 7x slower: 1 to 12, most of each allocation its
+    # start-up beside the other pytest): 170 / that factor, and requeues enough for its slowest allocations.
+    limited, stop = tmp_path / "limited", max(40, round(170 / slowness()))
     [time_limited] = submitted(launch(
         "pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={limited}", f"engine.max_steps={stop}",
         "engine.checkpoint_every_steps=1000", "optim.warmup_epochs=0.5", *SLURM, "--tasks-per-node", "2",
-        "--time", "1", "--signal-delay-s", "5", "--max-requeues", "12").stdout)
+        "--time", "1", "--signal-delay-s", "5", "--max-requeues", "30").stdout)
     # B, C, D
     run_dir, finetuned = tmp_path / "run", tmp_path / "finetuned"
     write_export(finetuned, digits)                         # a backbone to fine-tune (random: the job is the test)
@@ -186,12 +194,15 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
         for job in [job for job, condition in ready.items() if condition()]:
             (check_the_checkpoint_then_requeue if job == time_limited else stop_with_usr2)(job)
             del ready[job]
+        ended = {job: scontrol_job(job).get("JobState") for job in ready}
+        ended = {job: state for job, state in ended.items() if state in ENDED}
+        assert not ended, f"jobs ended before they could be stopped: {ended}"
         return not ready
 
     wait_until(stop_the_ready_ones, "each job's stop")
 
     # B. The preemption is requeued though --max-requeues 0 allows no time-limit requeue, and is not counted.
-    wait_until(lambda: (run_dir / "finished.json").is_file(), "the end of the pretraining")
+    wait_until(lambda: (run_dir / "finished.json").is_file(), "the end of the pretraining", job=pretraining)
     assert "preempted: checkpoint of step" in job_log(run_dir, pretraining, "err")
     assert "not requeued" not in job_log(run_dir, pretraining, "err")
     assert not (run_dir / "jobs" / f"{pretraining}.timeouts").exists() and cluster.restart_count(pretraining) >= 1
@@ -219,7 +230,8 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
     saved = time_limit_stop()
     assert saved_checkpoint["found"]
     assert f"resumed {limited} at step {saved} " in job_logs(limited)
-    wait_until(lambda: (limited / "finished.json").is_file(), "the end of the time-limited run", timeout=500)
+    wait_until(lambda: (limited / "finished.json").is_file(), "the end of the time-limited run", timeout=500,
+               job=time_limited)
     assert "DUE TO JOB REQUEUE" in job_logs(limited)              # the scontrol requeue's SIGTERM
     assert cluster.restart_count(time_limited) >= 2
     # Every allocation resumed at exactly the step the one before stopped at (each stop, on USR2 at the time
@@ -274,7 +286,7 @@ def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_clu
     assert kinds == ["pretrain", "eval-watch", "final-eval"]
     assert scontrol_job(final)["Dependency"] == f"afterok:{pretraining}(unfulfilled)" or \
         scontrol_job(final)["JobState"] in ("RUNNING", "COMPLETED")
-    wait_until(lambda: (run_dir / "eval/linear_step0000004.json").is_file(), "the final linear probe")
+    wait_until(lambda: (run_dir / "eval/linear_step0000004.json").is_file(), "the final linear probe", job=final)
     wait_until(lambda: scontrol_job(final).get("JobState") == "COMPLETED", "the final evaluation job")
     assert scontrol_job(final)["StartTime"] >= scontrol_job(pretraining)["EndTime"]   # only after pretraining
     wait_until(lambda: scontrol_job(watcher).get("JobState") == "COMPLETED", "the watcher")
