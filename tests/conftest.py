@@ -50,11 +50,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(scaled(deadline), method="thread"))
 
 
-def pytest_report_header(config):
+def pytest_terminal_summary(terminalreporter):
     from tests.machine_speed import ENV, slowness
 
-    return (f"waits and deadlines scaled by {slowness():.2f} (this machine against the suite's reference CPU; "
-            f"{ENV} to set it: tests/machine_speed.py)")
+    terminalreporter.write_line(f"waits and deadlines scaled by {slowness():.2f} (this machine against the suite's "
+                                f"reference CPU; {ENV} sets it: tests/machine_speed.py)")
 
 
 def write_digits_with_the_cli(out_dir: Path, *args: str) -> Path:

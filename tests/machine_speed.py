@@ -10,7 +10,7 @@ images/s (../shared/ENVIRONMENT.md, "Threads on a shared CPU"): REFERENCE_STEP_S
 over that, and never below 1 (a faster machine keeps the tuned waits).
 
 `make test` measures once (`python -m tests.machine_speed` prints the factor) and hands it to both of its pytests in
-HARDVIEW_TEST_SLOWNESS; a pytest started without it measures as it starts (its header line prints the factor).
+HARDVIEW_TEST_SLOWNESS; a pytest started without it measures as it collects (its last line prints the factor).
 Setting it by hand (HARDVIEW_TEST_SLOWNESS=3 pytest ...) replaces the measurement.
 """
 from __future__ import annotations
