@@ -4,7 +4,7 @@ at start-up) and the tests (which run their smallest bf16 cases where it is emul
 torch's CPU bf16 convolutions and matrix products go through oneDNN (and ATen's vectorised kernels). With the AVX-512
 BF16 or AMX instructions they run in hardware; without them (an AVX2-only CPU such as AMD EPYC 7003 "Milan", or
 Intel before Cooper Lake) oneDNN falls back to kernels that convert every element: a ResNet-18 training step under
-bf16 autocast ran 26x slower than fp32 at batch 32 on an AVX2-only AMD EPYC, 50x at batch 256 (`python -m
+bf16 autocast ran 24-26x slower than fp32 at batch 32 on an AVX2-only AMD EPYC, 50x at batch 256 (`python -m
 pretrain.bench precision`; docs/benchmarks.md, "bf16 on a CPU without native bf16"). Capping the instruction sets torch may use (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) puts a
 faster CPU in the same place, and the answer follows them.
 """
@@ -47,5 +47,5 @@ def emulated_bf16_warning() -> str:
     """The one line a CPU run with engine.precision=bf16 prints where bf16 is not native."""
     return (f"warning: engine.precision=bf16 on a CPU without native bf16 ({cpu_description()}: no AVX-512 BF16 or "
             "AMX, or capped by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA): torch emulates bf16 here, a ResNet-18 step "
-            "26x slower than fp32 on an AVX2-only AMD EPYC (`python -m pretrain.bench precision` measures this "
-            "machine). Use engine.precision=fp32 here: bf16 pays on GPUs and on CPUs with AVX-512 BF16 or AMX.")
+            "about 25x slower than fp32 on an AVX2-only AMD EPYC (`python -m pretrain.bench precision` measures "
+            "this machine). Use engine.precision=fp32 here: bf16 pays on GPUs and on CPUs with AVX-512 BF16 or AMX.")
