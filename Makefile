@@ -1,7 +1,7 @@
 # make demo   installs everything it needs, then runs the whole pipeline on the embedded digits data
 # make demo-detection  the same, plus detection on the digit scenes (longer)
 # make test   installs everything it needs, then runs the test suite (the real-Slurm tests beside the others)
-# make test-fast  the unit tier only: the tests not marked slow or slurm (about a minute)
+# make test-fast  the unit tier only: the tests not marked slow or slurm (about a minute on an AVX-512 EPYC, 5 on an AVX2-only one)
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
 # make bench-peers  installs lightly (the peer library, not a dependency of the package), then this project against it on Fashion-MNIST
 # make gpu-check  on a machine with a CUDA GPU: the GPU-only tests (tests/gpu), then the GPU throughput table
