@@ -23,7 +23,12 @@ import pytest
 # commands get: pretrain sets it before torch loads, and a test module that imports torch first would load it with
 # libgomp's default spin, which spends a taken core waiting beside the other worker (pretrain/__init__.py).
 import pretrain  # noqa: F401,E402
+from tests import forked_runs  # noqa: E402
 from tests.machine_speed import scaled  # noqa: E402
+
+# The forkserver is one per process, started by its first user with the modules asked for by then: the forked runs'
+# (the whole pipeline) are asked for now, before an in-process run's DataLoader workers (which add theirs) start it.
+forked_runs.context()
 
 
 # Modules whose tests run processes that wait for each other at every collective (gloo), or that step several
