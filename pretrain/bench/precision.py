@@ -40,7 +40,8 @@ class ReferenceStep:
         return time.perf_counter() - start
 
 
-def spread(values: list[float]) -> dict:
+def median_and_range(values: list[float]) -> dict:
+    """How the timing benchmarks quote rounds: the median and the range, never a best-of."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
@@ -57,7 +58,7 @@ def run_precision_benchmark(args: argparse.Namespace) -> dict:
     ratios = [b / f for b, f in zip(bf16, fp32)]
     result = {"cpu": cpu_description(), "native_bf16": cpu_bf16_is_native(), "threads": torch.get_num_threads(),
               "batch_size": args.batch_size, "size": args.size, "rounds": args.rounds,
-              "fp32_step_s": spread(fp32), "bf16_step_s": spread(bf16), "bf16_over_fp32": spread(ratios)}
+              "fp32_step_s": median_and_range(fp32), "bf16_step_s": median_and_range(bf16), "bf16_over_fp32": median_and_range(ratios)}
     print(f"\nResNet-18 (stride-2 stem) training step, batch {args.batch_size} of {args.size} px, {result['threads']} "
           f"threads, {args.rounds} alternating rounds\non {result['cpu']}, native bf16: "
           f"{'yes' if result['native_bf16'] else 'no (emulated)'}\n")

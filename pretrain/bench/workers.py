@@ -10,7 +10,6 @@ table gives each start method's median seconds an epoch and range over the other
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from pretrain.runtime.argument_types import positive_int
 def run_workers_benchmark(args: argparse.Namespace) -> dict:
     # heavy: torchvision, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.bench.images import synthetic_image_folder
+    from pretrain.bench.precision import median_and_range
     from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
     from pretrain.data.torchvision_loader import ImageFolderViews, worker_batches
     from pretrain.data.views import ViewGroup
@@ -38,10 +38,9 @@ def run_workers_benchmark(args: argparse.Namespace) -> dict:
             else:                                 # the forkserver's own start, once per process
                 first[method] = time.perf_counter() - start
     ratios = [b / a for a, b in zip(times["fork"], times["forkserver"])]
-    spread = lambda values: {"median": statistics.median(values), "min": min(values), "max": max(values)}  # noqa: E731
     result = {"images": args.images, "workers": args.workers, "batch_size": args.batch_size, "rounds": args.rounds,
-              "first_epoch_s": first, "epoch_s": {method: spread(values) for method, values in times.items()},
-              "forkserver_over_fork": spread(ratios)}
+              "first_epoch_s": first, "epoch_s": {method: median_and_range(values) for method, values in times.items()},
+              "forkserver_over_fork": median_and_range(ratios)}
     print(f"\nthe torchvision view loader, {args.images} images of 64 px, 2 views of 32 px, {args.workers} workers, "
           f"seconds an epoch over {args.rounds} alternating rounds (after a first round)\n")
     print("| workers started by | first epoch (s) | epoch (s), median | range |")
