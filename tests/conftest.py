@@ -24,7 +24,7 @@ import pytest
 # libgomp's default spin, which spends a taken core waiting beside the other worker (pretrain/__init__.py).
 import pretrain  # noqa: F401,E402
 from tests import forked_runs  # noqa: E402
-from tests.machine_speed import scaled  # noqa: E402
+from tests.machine_speed import ENV, scaled, slowness  # noqa: E402
 
 # The forkserver is one per process, started by its first user with the modules asked for by then: the forked runs'
 # (the whole pipeline) are asked for now, before an in-process run's DataLoader workers (which add theirs) start it.
@@ -56,8 +56,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from tests.machine_speed import ENV, slowness
-
     terminalreporter.write_line(f"waits and deadlines scaled by {slowness():.2f} (this machine against the suite's "
                                 f"reference CPU; {ENV} sets it: tests/machine_speed.py)")
 

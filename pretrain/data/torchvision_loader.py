@@ -83,7 +83,8 @@ def worker_batches(dataset: torch.utils.data.Dataset, num_workers: int, start_me
     by `worker_context(start_method)`; a batch not delivered within WORKER_BATCH_TIMEOUT_S raises TimeoutError naming
     the workers."""
     context = {"multiprocessing_context": worker_context(start_method), "timeout": WORKER_BATCH_TIMEOUT_S}
-    loader = torch.utils.data.DataLoader(dataset, num_workers=num_workers, **options, **(context if num_workers else {}))
+    loader = torch.utils.data.DataLoader(dataset, num_workers=num_workers, **options,
+                                         **(context if num_workers else {}))
     iterator = iter(loader)
     while True:
         try:
@@ -94,8 +95,8 @@ def worker_batches(dataset: torch.utils.data.Dataset, num_workers: int, start_me
             if not str(error).startswith("DataLoader timed out"):
                 raise
             workers = ", ".join(str(worker.pid) for worker in getattr(iterator, "_workers", []))
-            raise TimeoutError(f"no DataLoader worker (pid {workers}) delivered a batch of {len(dataset)} images in "
-                               f"{WORKER_BATCH_TIMEOUT_S} s: a worker is stuck (py-spy dump --pid PID shows where); "
+            raise TimeoutError(f"the DataLoader workers (pid {workers}) delivered no batch in {WORKER_BATCH_TIMEOUT_S} "
+                               f"s ({len(dataset)} images): a worker is stuck (py-spy dump --pid PID shows where); "
                                "data.num_workers=0 reads the images in the training process instead") from error
         yield batch
 
