@@ -62,13 +62,10 @@ def logged(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def hand_computed_lr(step: int, batch_size: int = 32) -> float:
+def hand_computed_lr(step: int) -> float:
     """simclr_digits: lr 0.3 per 256 images, 2 processes x 32 = 64 -> 0.075; 1437 // 2 // 32 = 22 steps per
-    epoch, 15 epochs = 330 steps; warm-up 0.5 epochs = 11 steps, linear from 0; then half a cosine to 0. (Another
-    `batch_size` per process, with an even number of steps per epoch: the same rule.)"""
-    steps_per_epoch = 1437 // 2 // batch_size
-    assert steps_per_epoch % 2 == 0, "half an epoch of warm-up is a whole number of steps only for an even count"
-    peak, warmup, total = 0.3 * 2 * batch_size / 256, steps_per_epoch // 2, 15 * steps_per_epoch
+    epoch, 15 epochs = 330 steps; warm-up 0.5 epochs = 11 steps, linear from 0; then half a cosine to 0."""
+    peak, warmup, total = 0.3 * 64 / 256, 11, 330
     if step < warmup:
         return peak * step / warmup
     return 0.5 * peak * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))

@@ -7,6 +7,7 @@ import torch
 from pretrain.runtime import cpu_bf16
 from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native
 from tests import forked_runs
+from tests.engine_helpers import SMALL_RESNET
 
 CONFIG = Path(__file__).parents[1] / "configs/pretrain/simclr_digits.yaml"
 
@@ -39,10 +40,11 @@ def test_this_machine_answers_as_its_instructions_say():
 
 @pytest.mark.slow
 def test_a_bf16_run_where_bf16_is_emulated_says_so_in_one_line_and_an_fp32_run_does_not(few_digits, tmp_path):
-    """ONEDNN_MAX_CPU_ISA=AVX2 makes any CPU one without native bf16 for oneDNN, as an AVX2-only CPU is."""
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes any CPU one without native bf16 for oneDNN, as an AVX2-only CPU is (and the
+    step as slow: hence the small ResNet)."""
     common = ["--config", str(CONFIG), f"data.train={few_digits / 'train.beton'}", f"data.val={few_digits / 'val.beton'}",
               "engine.max_steps=1", "data.batch_size=8", "data.views.0.size=8", "data.num_workers=1",
-              "engine.image_grid_every_steps=0"]
+              "engine.image_grid_every_steps=0", *SMALL_RESNET]
     emulated = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
     bf16 = forked_runs.run("pretrain", [*common, f"run_dir={tmp_path / 'bf16'}", "engine.precision=bf16"], env=emulated)
     warnings = [line for line in bf16.stderr.splitlines() if "without native bf16" in line]

@@ -21,7 +21,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for,
+from tests.engine_helpers import (BF16_TEST_MODEL, CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for,
                                   one_sgd_step_and_its_reference, start_worker, views_and_boxes)
 
 pytestmark = pytest.mark.slow          # one worker process: DeepSpeed steps of every method under every ZeRO stage
@@ -47,7 +47,7 @@ def bf16_runs_for_every_method_and_stage(configs: list[str]) -> dict:
                 # Per-view BatchNorm over 6 samples in bf16, with every residual branch on (the digits preset),
                 # moves the first cosine by 0.023; over 16 samples by 0.005 (measured, seed 0).
                 extra = ["data.batch_size=16"]
-            overrides = [*TINY, *extra, f"engine.zero_stage={stage}", "optim.name=adamw", "optim.lr=0.001"]
+            overrides = [*TINY, *BF16_TEST_MODEL, *extra, f"engine.zero_stage={stage}", "optim.name=adamw", "optim.lr=0.001"]
             cfg = load_config(CONFIGS / config, overrides)
             losses = {}
             # The fp32 reference loss (the first step's, before any update) is the same under every stage.
