@@ -17,10 +17,12 @@ DINO_MULTI_CROP = [
     "data.views=[{count: 1, size: 16, scale: [0.4, 1.0], blur_p: 1.0}, "
     "{count: 1, size: 16, scale: [0.4, 1.0], blur_p: 0.1, solarize_p: 0.2}, {count: 4, size: 8, scale: [0.2, 0.5], blur_p: 0.5}]",
     "hvs.num_views=[2, 2, 8]"]
-# Where bf16 is emulated (pretrain/runtime/cpu_bf16.py) its cost grows with the weights, not the pixels: a bf16
-# forward and backward of 12 views of 16 px took 5.7 s with the digits presets' ResNet-18 (11.2 M parameters) and
-# 0.16 s with timm's test_resnet (a ResNet of 0.37 M: BasicBlocks, deep stem, max-pool) on an AVX2-only EPYC (fp32:
-# 0.17 and 0.02 s). The bf16 tests train that ResNet there, the same engine, steps and checks; ResNet-18 elsewhere.
+# SMALL_RESNET: timm's test_resnet (0.37 M parameters: BasicBlocks, deep stem, max-pool), for the tests of what the
+# engine, a loss or a method's state does with whatever backbone (distributed equality, EMA teachers, clipping):
+# the digits presets' ResNet-18 (11.2 M) costs them more in building, gathering and comparing weights than in
+# computing. And where bf16 is emulated (pretrain/runtime/cpu_bf16.py) its cost grows with the weights, not the
+# pixels: a bf16 forward and backward of 12 views of 16 px took 5.7 s with ResNet-18 and 0.16 s with test_resnet
+# on an AVX2-only EPYC (fp32: 0.17 and 0.02 s); the bf16 tests train it there, ResNet-18 elsewhere.
 SMALL_RESNET = ["model.arch=test_resnet", "model.stem=imagenet"]
 BF16_TEST_MODEL = [] if cpu_bf16_is_native() else SMALL_RESNET
 TINY = ["model.proj_hidden_dim=32", "model.proj_out_dim=16", "data.batch_size=6", "hvs.enabled=true",

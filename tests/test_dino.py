@@ -23,7 +23,7 @@ from pretrain.methods import build_method
 from pretrain.methods.base import Method
 from pretrain.runtime.optim import build_optimizer, set_schedule_values
 from tests.machine_speed import scaled
-from tests.engine_helpers import DINO_MULTI_CROP, start_worker
+from tests.engine_helpers import DINO_MULTI_CROP, SMALL_RESNET, start_worker
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/dino_digits.yaml"
@@ -380,7 +380,7 @@ def two_process_worker(out_dir: Path) -> None:
     for stage, bf16 in ((0, False), (0, True), (2, True), (3, True)):
         cfg = tiny_config(f"engine.zero_stage={stage}", "data.batch_size=4", "optim.name=adamw", "optim.lr=0.01",
                           "optim.epochs=2", "optim.grad_clip=1.0", "method.momentum_teacher=0.9",
-                          "method.freeze_last_layer_epochs=1")
+                          "method.freeze_last_layer_epochs=1", *SMALL_RESNET)
         torch.manual_seed(0)
         method = build_method(cfg, steps_per_epoch=2)
         optimizer = build_optimizer(cfg, method.param_groups(), 0.01)

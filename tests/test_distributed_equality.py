@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.machine_speed import scaled
-from tests.engine_helpers import DINO_MULTI_CROP, start_worker
+from tests.engine_helpers import DINO_MULTI_CROP, SMALL_RESNET, start_worker
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs/pretrain"
@@ -61,7 +61,7 @@ def step_once(name: str, stage: int, world: int, rank: int) -> dict:
     cfg = load_config(CONFIGS / config, [
         f"data.batch_size={GLOBAL_BATCH // world}", "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=sgd",
         "optim.momentum=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.grad_clip_per_parameter=0",
-        "model.proj_hidden_dim=32", "model.proj_out_dim=16", *overrides])
+        "model.proj_hidden_dim=32", "model.proj_out_dim=16", *SMALL_RESNET, *overrides])
     generator = torch.Generator().manual_seed(1)
     groups = views_to_draw(cfg)
     views = [torch.randn(GLOBAL_BATCH, g.count, 3, g.size, g.size, generator=generator) for g in groups]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.machine_speed import scaled
-from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, ROOT, TINY, engine_for, one_sgd_step_and_its_reference,
+from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, ROOT, SMALL_RESNET, TINY, engine_for, one_sgd_step_and_its_reference,
                                   start_worker, views_and_boxes)
 
 pytestmark = pytest.mark.slow          # one worker process: a few DeepSpeed steps under four ZeRO stages
@@ -40,7 +40,7 @@ def per_parameter_clipping() -> dict:
     results = {}
     for stage in STAGES:
         cfg = load_config(CONFIGS / "simclr_digits.yaml", [
-            *TINY, "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=sgd", "optim.momentum=0",
+            *TINY, *SMALL_RESNET, "hvs.enabled=false", f"engine.zero_stage={stage}", "optim.name=sgd", "optim.momentum=0",
             "optim.weight_decay=0", "optim.grad_clip=0", f"optim.grad_clip_per_parameter={CLIP}"])
         method, engine, reference, gradients = one_sgd_step_and_its_reference(cfg, LR)
         norms = [float(g.norm()) for g in gradients]
@@ -74,7 +74,7 @@ def frozen_last_layer() -> dict:
     lr, results = 1e-3, {}
     for stage in STAGES:
         cfg = load_config(CONFIGS / "dino_digits.yaml", [
-            *TINY, "hvs.enabled=false", "method.out_dim=64", f"engine.zero_stage={stage}", "optim.name=adamw",
+            *TINY, *SMALL_RESNET, "hvs.enabled=false", "method.out_dim=64", f"engine.zero_stage={stage}", "optim.name=adamw",
             "optim.weight_decay=0", "optim.grad_clip=0", "optim.grad_clip_per_parameter=3.0", "optim.epochs=2",
             "method.freeze_last_layer_epochs=1", *DINO_MULTI_CROP])
         torch.manual_seed(0)

@@ -21,7 +21,7 @@ from pretrain.config import ConfigError, load_config
 from pretrain.hvs import candidate_combinations, select_hard_views
 from pretrain.methods import build_method
 from tests.machine_speed import scaled
-from tests.engine_helpers import start_worker
+from tests.engine_helpers import SMALL_RESNET, start_worker
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "configs/pretrain/smoco_digits.yaml"
@@ -213,7 +213,8 @@ def two_process_worker(out_dir: Path) -> None:
     for stage, momentum, precision in ((0, 0.9, "fp32"), (2, 0.9, "fp32"), (3, 0.9, "fp32"), (3, 0.0, "fp32"),
                                        (2, 0.9, "bf16")):
         cfg = tiny_config(f"engine.zero_stage={stage}", "data.batch_size=4", "optim.name=adamw", "optim.lr=0.01",
-                          f"method.momentum={momentum}", "optim.grad_clip=1.0", f"engine.precision={precision}")
+                          f"method.momentum={momentum}", "optim.grad_clip=1.0", f"engine.precision={precision}",
+                          *SMALL_RESNET)
         torch.manual_seed(0)
         method = build_method(cfg)
         engine, optimizer, gradient_edits = initialize_engine(method, build_optimizer(cfg, method.param_groups(), 0.01),
