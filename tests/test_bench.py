@@ -22,10 +22,11 @@ def test_bench_commands_run_and_write_their_tables(tmp_path):
                                        tmp_path / "hvs.json"])
     assert json.loads((tmp_path / "hvs.json").read_text())
     precision = forked_runs.run("pretrain.bench", ["precision", "--batch-size", "2", "--size", "8", "--rounds", "2",
+                                                   "--arch", "test_resnet", "--stem", "imagenet",
                                                    "--out", tmp_path / "precision.json"])
     result = json.loads((tmp_path / "precision.json").read_text())
     assert result["rounds"] == 2 and result["fp32_step_s"]["min"] > 0 and result["bf16_over_fp32"]["median"] > 0
-    assert "bf16 / fp32 step time, per round: median" in precision.stdout
+    assert "bf16 / fp32 step time, per round: median" in precision.stdout and "test_resnet (imagenet stem)" in precision.stdout
     workers = forked_runs.run("pretrain.bench", ["workers", "--images", "20", "--workers", "1", "--batch-size", "8",
                                                  "--rounds", "1", "--data-dir", tmp_path / "data",
                                                  "--out", tmp_path / "workers.json"])

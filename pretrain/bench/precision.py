@@ -2,10 +2,11 @@
 way in alternating rounds.
 
 The step is the reference step of the test suite (tests/machine_speed.py): one forward, backward and SGD step of the
-project's ResNet-18 with its stride-2 stem on a batch of 16-px images. Each round times one step of each precision
-(after one untimed warm-up step of each); the table gives each precision's median step and range over the rounds, and
-the ratio bf16 / fp32 of each round as median and range. The CPU is named, with whether it has native bf16
-(pretrain/runtime/cpu_bf16.py) and torch's instruction set (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA cap it).
+project's ResNet-18 with its stride-2 stem (--arch, --stem: another backbone) on a batch of 16-px images. Each round
+times one step of each precision (after one untimed warm-up step of each); the table gives each precision's median step
+and range over the rounds, and the ratio bf16 / fp32 of each round as median and range. The CPU is named, with whether
+it has native bf16 (pretrain/runtime/cpu_bf16.py) and torch's instruction set (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA
+cap it).
 """
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from pretrain.runtime.argument_types import positive_int
 
 
 class ReferenceStep:
-    """One training step of the project's ResNet-18 (stride-2 stem) on a fixed batch of `batch` `side`-px images,
-    fp32 weights; `seconds(bf16)` times one step, under bf16 autocast when asked."""
+    """One training step of the project's ResNet-18 (stride-2 stem; or another `arch` and `stem`, as model.arch and
+    model.stem) on a fixed batch of `batch` `side`-px images, fp32 weights; `seconds(bf16)` times one step, under bf16
+    autocast when asked."""
 
-    def __init__(self, batch: int = 256, side: int = 16):
+    def __init__(self, batch: int = 256, side: int = 16, arch: str = "resnet18", stem: str = "small_stride2"):
         from pretrain.models import create_backbone
 
         torch.manual_seed(0)
-        self.backbone = create_backbone("resnet18", "small_stride2").train()
+        self.backbone = create_backbone(arch, stem).train()
         self.optimizer = torch.optim.SGD(self.backbone.parameters(), lr=0.01)
         self.images = torch.randn(batch, 3, side, side)
 
@@ -48,7 +50,7 @@ def median_and_range(values: list[float]) -> dict:
 def run_precision_benchmark(args: argparse.Namespace) -> dict:
     from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native, cpu_description
 
-    step = ReferenceStep(args.batch_size, args.size)
+    step = ReferenceStep(args.batch_size, args.size, args.arch, args.stem)
     step.seconds(False), step.seconds(True)                       # warm-up: allocator, oneDNN's kernels
     fp32, bf16 = [], []
     for round_ in range(args.rounds):
@@ -57,9 +59,9 @@ def run_precision_benchmark(args: argparse.Namespace) -> dict:
         print(f"round {round_ + 1}/{args.rounds}: fp32 {fp32[-1]:.3f} s, bf16 {bf16[-1]:.3f} s", flush=True)
     ratios = [b / f for b, f in zip(bf16, fp32)]
     result = {"cpu": cpu_description(), "native_bf16": cpu_bf16_is_native(), "threads": torch.get_num_threads(),
-              "batch_size": args.batch_size, "size": args.size, "rounds": args.rounds,
+              "arch": args.arch, "stem": args.stem, "batch_size": args.batch_size, "size": args.size, "rounds": args.rounds,
               "fp32_step_s": median_and_range(fp32), "bf16_step_s": median_and_range(bf16), "bf16_over_fp32": median_and_range(ratios)}
-    print(f"\nResNet-18 (stride-2 stem) training step, batch {args.batch_size} of {args.size} px, {result['threads']} "
+    print(f"\n{args.arch} ({args.stem} stem) training step, batch {args.batch_size} of {args.size} px, {result['threads']} "
           f"threads, {args.rounds} alternating rounds\non {result['cpu']}, native bf16: "
           f"{'yes' if result['native_bf16'] else 'no (emulated)'}\n")
     print("| precision | step (s), median | range | images/s, median |")
@@ -77,6 +79,8 @@ def add_precision_command(commands) -> None:
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=positive_int, default=32, help="images per step (default 32)")
     parser.add_argument("--size", type=positive_int, default=16, help="image side in pixels (default 16)")
+    parser.add_argument("--arch", default="resnet18", help="the backbone, as model.arch (default resnet18)")
+    parser.add_argument("--stem", default="small_stride2", help="its stem, as model.stem (default small_stride2)")
     parser.add_argument("--rounds", type=positive_int, default=5,
                         help="alternating rounds, one step of each (default 5)")
     parser.add_argument("--out", default="bench/precision.json", help="where the JSON result goes")
