@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.machine_speed import scaled
 from tests import forked_runs
 from tests.conftest import wait_for
+from tests.engine_helpers import SMALL_RESNET
 
 pytestmark = pytest.mark.slow          # a whole pretraining run watched by `eval watch`
 
@@ -26,7 +27,7 @@ def test_every_checkpoint_once_in_order_across_a_killed_and_restarted_watcher(di
         "--config", CONFIG, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
         f"data.val={digits / 'val.beton'}", "data.batch_size=128", "data.num_workers=1", "model.proj_hidden_dim=64",
         "model.proj_out_dim=32", "engine.max_steps=9", "engine.checkpoint_every_steps=3",
-        "engine.image_grid_every_steps=0", "engine.log_every_steps=1"])
+        "engine.image_grid_every_steps=0", "engine.log_every_steps=1", *SMALL_RESNET])   # the watcher is the subject
     (run_dir / "exports").mkdir(parents=True, exist_ok=True)
     # An export being written: a temporary name, never listed in published.txt. It must never be read.
     (run_dir / "exports" / ".backbone_step00000012.pth.tmp").write_bytes(b"half a file")
