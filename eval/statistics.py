@@ -4,6 +4,7 @@
     paired_difference({0: 81.2, 1: 82.0}, {0: 80.1, 1: 81.5})
                                                         row minus baseline over the seeds both ran: mean difference,
                                                         its 95% t interval, the paired t-test's two-sided p-value
+    summary_record / summary_text                      a summary as a table's JSON and its cell
 
 Both are Student's t: with the few seeds a benchmark affords (2 to 5), the normal approximation's interval would
 be far too narrow (t at 95% is 12.71 for 2 seeds, 4.30 for 3, against 1.96). A paired comparison pairs the rows'
@@ -109,3 +110,22 @@ def paired_difference(row: Mapping[int, float], baseline: Mapping[int, float],
     statistic = mean / (std / math.sqrt(n))
     p_value = float(2 * student_t.sf(abs(statistic), n - 1))
     return PairedDifference(mean, t_interval(mean, std, n, confidence), p_value, n, seeds)
+
+
+def summary_record(values: Sequence[float], digits: int = 2) -> dict:
+    """`summarise_seeds` as a table's JSON holds it, rounded to `digits`: mean, std and ci95 ([low, high]; both None
+    for one seed), n, and the values themselves."""
+    summary = summarise_seeds(values)
+    return {"mean": round(summary.mean, digits),
+            "std": None if summary.std is None else round(summary.std, digits),
+            "ci95": None if summary.interval is None else [round(bound, digits) for bound in summary.interval],
+            "n": summary.n, "values": [round(float(value), digits) for value in values]}
+
+
+def summary_text(record: Mapping, unit: str = "%") -> str:
+    """A `summary_record` as a table's cell: '81.00% ± 1.00, 95% CI [78.52, 83.48]' (mean ± std, the t interval of
+    the mean), '78.71% (1 seed: no interval)'."""
+    if record.get("ci95") is None:
+        return f"{record['mean']:.2f}{unit} (1 seed: no interval)"
+    low, high = record["ci95"]
+    return f"{record['mean']:.2f}{unit} ± {record['std']:.2f}, 95% CI [{low:.2f}, {high:.2f}]"

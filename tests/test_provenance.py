@@ -3,38 +3,18 @@ untracked files, not ignored ones), the digest that tells two dirty trees apart,
 exception); RUN_DIR/provenance.json appended start by start; `made_by` reading the same state. A whole run's record
 is checked in tests/test_pretrain_run.py (its start, two refused starts, a resume and a rerun)."""
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from eval.results import made_by
 from pretrain.runtime.provenance import PROVENANCE_FILE, CodeState, read_code_state, read_starts, record_start
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c",
-                           "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True,
-                          text=True).stdout.strip()
-
-
-def commit_all(repo: Path, message: str) -> str:
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", message)
-    return git(repo, "rev-parse", "HEAD")
+from tests.git_checkouts import commit_all, git, make_checkout
 
 
 @pytest.fixture
 def checkout(tmp_path) -> Path:
-    """A git checkout with one commit: a training module, a config, docs and a .gitignore of runs/."""
-    repo = tmp_path / "checkout"
-    for path, text in {"pretrain/loss.py": "SCALE = 1\n", "configs/run.yaml": "lr: 0.1\n", "docs/notes.md": "a\n",
-                       ".gitignore": "/runs/\n"}.items():
-        (repo / path).parent.mkdir(parents=True, exist_ok=True)
-        (repo / path).write_text(text)
-    git(repo, "init", "-q")
-    commit_all(repo, "first")
-    return repo
+    return make_checkout(tmp_path / "checkout")
 
 
 def test_a_clean_checkout_is_its_commit_and_an_ignored_file_leaves_it_clean(checkout):
@@ -106,8 +86,7 @@ def test_every_start_is_appended_and_an_unreadable_record_is_kept_aside(checkout
     assert first["machine"]["cpu_count"] >= first["machine"]["cpu_affinity"] >= 1
     assert first["machine"]["torch_threads"] >= 1 and first["started"].endswith("+00:00")
 
-    (checkout / "pretrain" / "loss.py").write_text("SCALE = 2\n")
-    later = commit_all(checkout, "second")                                    # resumed at another commit
+    later = commit_all(checkout, "second", {"pretrain/loss.py": "SCALE = 2\n"})    # resumed at another commit
     record_start(run_dir, 40, code_root=checkout)
     starts = read_starts(run_dir)
     assert [(start["step"], start["code"]["commit"]) for start in starts] == [(0, first["code"]["commit"]),
