@@ -7,6 +7,7 @@ against minutes of training."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -183,7 +184,7 @@ def code_of(entry: dict) -> list[CodeState]:
     return [CodeState.from_record(code) for code in entry.get("commits", [])]
 
 
-def paired_differences(entries: list[dict], comparisons) -> list[dict]:
+def paired_differences(entries: list[dict], comparisons: Iterable[tuple[str, str]]) -> list[dict]:
     """Each (row, baseline row) comparison's paired difference at the end of the budget, row minus baseline in points
     of top-1, per measure (k-NN, linear) over the seeds both finished: mean, 95% t interval, the paired t-test's
     two-sided p-value (eval/statistics.py: `paired_difference`), or what kept it from being computed."""
@@ -231,11 +232,13 @@ def paired_section(comparisons: list[dict]) -> list[str]:
             if "error" in result:
                 lines.append(f"| {row} | {baseline} | {names[result['measure']]} | - | {result['error']} | - | - |")
                 continue
-            low, high = result["ci95"]
-            p_value = "-" if result["p_value"] is None else f"{result['p_value']:.3g}"
+            interval, p_value = "-", "-"                  # differences without spread: no interval, no test
+            if result["p_value"] is not None:
+                low, high = result["ci95"]
+                interval, p_value = f"[{low:+.2f}, {high:+.2f}]", f"{result['p_value']:.3g}"
             note = f" ({result['note']})" if result["note"] else ""
             lines.append(f"| {row} | {baseline} | {names[result['measure']]} | {', '.join(map(str, result['seeds']))} "
-                         f"| {result['difference']:+.2f}{note} | [{low:+.2f}, {high:+.2f}] | {p_value} |")
+                         f"| {result['difference']:+.2f}{note} | {interval} | {p_value} |")
     return lines
 
 

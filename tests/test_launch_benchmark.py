@@ -184,6 +184,9 @@ def test_the_finals_show_their_t_interval_and_a_comparison_its_paired_difference
     assert table[6].endswith("| unknown |")                                 # runs without provenance.json
     missing = paired_differences(entries, [("hvs", "gone")])
     assert missing[0]["error"] == "no finished run of gone in this table"
+    same = paired_differences(entries, [("plain", "plain")])                  # differences all 0: said, not tested
+    assert "| PLAIN | PLAIN | k-NN | 0, 1, 2 | +0.00 (the 3 differences are all 0: no spread, so no t-test and no " \
+        "interval) | - | - |" in markdown(entries, "made by test", same).splitlines()
 
 
 ROW = {"name": "simclr", "config": CONFIG, "minutes": 1, "marks": 6}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from eval.statistics import paired_difference, summarise_seeds
+from eval.statistics import paired_difference, summarise_seeds, summary_record, summary_text
 
 
 def test_the_summary_over_seeds_is_the_mean_the_sample_std_and_the_t_interval_of_the_mean():
@@ -76,3 +76,12 @@ def test_differences_without_spread_give_their_value_and_no_t_test():
     equal = paired_difference({0: 5.0, 1: 6.0}, {0: 5.0, 1: 6.0})
     assert (equal.mean, equal.p_value) == (0.0, None)
     assert math.isnan(stats.ttest_rel([5.0, 6.0], [5.0, 6.0]).pvalue)
+
+
+def test_a_summary_as_a_tables_json_and_cell():
+    record = summary_record([80.0, 82.0, 81.0])
+    assert record == {"mean": 81.0, "std": 1.0, "ci95": [78.52, 83.48], "n": 3, "values": [80.0, 82.0, 81.0]}
+    assert summary_text(record) == "81.00% ± 1.00, 95% CI [78.52, 83.48]"
+    single = summary_record([78.714])
+    assert single == {"mean": 78.71, "std": None, "ci95": None, "n": 1, "values": [78.71]}
+    assert summary_text(single) == "78.71% (1 seed: no interval)"
