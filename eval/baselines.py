@@ -5,7 +5,9 @@ features), the protocols of `python -m eval knn` and `python -m eval linear` wit
 
 The result goes to OUT_DIR/eval/baselines_step0000000.json (and its TensorBoard scalars, `baseline/...`):
 {"raw_pixels": {"knn": top-1, "linear": top-1}, "random_init": {...}, "image_size": ..., "train": ..., ...}.
-`make demo` computes its random-init and raw-pixel rows with the same function (`evaluate_encoder`).
+`make demo` computes its random-init and raw-pixel rows with the same function (`evaluate_encoder`). Each start
+appends its code, config and machine to OUT_DIR/provenance.json, as a training run's start does
+(pretrain/runtime/provenance.py): `launch benchmark` shows a reference row's commit as it shows the others'.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pretrain.models import create_backbone
 from pretrain.runtime.argument_types import positive_int
 from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.exit_status import check_writable
+from pretrain.runtime.provenance import record_start
 
 HELP = "raw pixels and the random-init backbone on a config's data (k-NN and linear probe)"
 KNN_K, KNN_TEMPERATURE = 20, 0.07
@@ -89,6 +92,8 @@ def run(args) -> int:
     device = resolve_device(args.device)
     train, val = (resolve_beton_path(None, {"data": {split: cfg.data[split]}}, split, f"data.{split}={{}}")
                   for split in ("train", "val"))         # before any work: a config's paths are relative to here
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record_start(out_dir, 0, OmegaConf.to_container(cfg, resolve=True))    # the code and the machine of this result
     started = time.time()
     size = args.image_size or config_evaluation_size(cfg)
     encoders = {"raw_pixels": lambda x: x.flatten(1), "random_init": random_init_backbone(cfg).to(device)}

@@ -16,7 +16,8 @@ another crop (`--crop-fraction`), so that such a result never replaces the run's
 again (a re-run, or an attempt that crashed before its JSON) without duplicating its scalars in TensorBoard:
 the event file named after the result is replaced, not added to.
 
-This module imports nothing of the project but `pretrain.runtime.atomic_write`, and TensorBoard only when it writes.
+This module imports nothing of the project but `pretrain.runtime.atomic_write` and `pretrain.runtime.provenance`
+(which commit made a table), and TensorBoard only when it writes.
 """
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ import hashlib
 import json
 import math
 import re
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from pretrain.runtime.atomic_write import write_text_atomically
+from pretrain.runtime.provenance import CODE_ROOT, read_code_state
 
 RESULTS_DIR = "eval"       # RUN_DIR/eval: the results (and the feature caches of `python -m eval`)
 TENSORBOARD_DIR = "tb"     # RUN_DIR/tb: the training curves, and the results' scalars beside them
@@ -193,18 +194,17 @@ def write_results(inputs: EvaluatedExport, protocol: str, top1: dict[str, float]
     return write_result(inputs.out_dir, protocol + suffix, export.step, result, scalars)
 
 
-def made_by(command: str) -> tuple[str, str]:
+def made_by(command: str, code_root: Path = CODE_ROOT) -> tuple[str, str]:
     """Which command and which commit made a results table: (the sentence that says so, the commit). The commit is
-    `git rev-parse HEAD` of this checkout, marked when tracked files have uncommitted changes."""
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = (git("rev-parse", "HEAD") or "unknown (not a git checkout)") + \
-        (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    this checkout's (`pretrain.runtime.provenance.read_code_state`, as every run records its own), marked "with
+    uncommitted changes" and the digest of those changes when tracked files differ from it or untracked files
+    (not ignored) are there: a table made from a new, uncommitted module is not made "at" the commit alone.
+    `code_root`: the checkout (default: this code's)."""
+    code = read_code_state(code_root)
+    if code.commit is None:
+        commit = f"unknown ({code.reason})"
+    elif code.dirty:
+        commit = f"{code.commit} with uncommitted changes (sha256 {code.diff_sha256[:12]})"
+    else:
+        commit = code.commit
     return f"Made by `{command}` at commit {commit}.", commit

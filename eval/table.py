@@ -6,9 +6,15 @@ and `linear` first), the training's minutes (the run's training clock, `perf/tra
 resumed a day later shows the minutes it trained, not the day) and median images/s, and the median 1-minute load average
 while it trained (RUN_DIR/metrics.jsonl: a load above the cores the run used says it shared the machine). A run
 without a result of its final step is named, not shown with an older one. With `--mean-over-seeds`, runs whose
-settings differ only in `seed` (and their names) make one row: the mean and standard deviation (n - 1) of the
-k-NN and the linear probe over the seeds, and each seed's value. The README's and docs' results tables are this
-command's output, with the sentence it ends with: the command and the commit that made it.
+settings differ only in `seed` (and their names) make one row: the mean, the standard deviation (n - 1) and the 95%
+t interval of the mean of the k-NN and the linear probe over the seeds (eval/statistics.py), and each seed's value.
+The README's and docs' results tables are this command's output, with the sentence it ends with: the command and
+the commit that made it.
+
+Each row also shows the commits its runs trained at (RUN_DIR/provenance.json: '9621bbb', '+dirty' with uncommitted
+changes, 'unknown' for a run from before it was recorded), and a line at the table's top says when the rows were
+trained by code that differs in its training files (eval/training_code.py); FILE.json records each row's
+`commits` and the table's `mixed_code`.
 """
 from __future__ import annotations
 
@@ -22,7 +28,10 @@ import numpy as np
 import yaml
 
 from eval.results import made_by
+from eval.statistics import summary_record, summary_text
+from eval.training_code import commits_cell, compare_training_code, read_code_states
 from pretrain.runtime.atomic_write import write_text_atomically
+from pretrain.runtime.provenance import CodeState
 
 HELP = "the results table of finished, evaluated runs (Markdown)"
 
@@ -80,7 +89,8 @@ def run_row(run_dir: Path) -> tuple[dict, dict]:
             "seed": config.get("seed", 0), "step": step, "knn": round(scores["knn"], 2),
             "linear": round(scores["linear"], 2), "minutes": round(minutes, 1),
             "images_per_s": round(float(np.median(rates)), 0) if rates else None,
-            "load_average_1min": round(float(np.median(loads)), 2) if loads else None}, config
+            "load_average_1min": round(float(np.median(loads)), 2) if loads else None,
+            "commits": [state.to_record() for state in read_code_states([run_dir])]}, config
 
 
 PER_RUN_KEYS = ("seed", "name", "run_dir")      # what runs of one recipe over several seeds differ in
@@ -93,7 +103,7 @@ def recipe(config: dict) -> str:
 
 def mean_over_seeds(rows: list[dict], recipes: list[str]) -> list[dict]:
     """One row per recipe (`recipe` of each row's run), in the order of its first run: its runs, seeds, and k-NN /
-    linear mean, std and values."""
+    linear mean, std, 95% t interval of the mean and values (eval/statistics.py: `summary_record`)."""
     groups: dict[str, list[dict]] = {}
     for row, key in zip(rows, recipes):
         groups.setdefault(key, []).append(row)
@@ -105,36 +115,39 @@ def mean_over_seeds(rows: list[dict], recipes: list[str]) -> list[dict]:
                                   f"twice ({seeds}); pass each run once")
         merged.append({"runs": [run["run"] for run in runs], "method": runs[0]["method"],
                        "selection": runs[0]["selection"], "seeds": seeds,
-                       **{protocol: {"mean": round(float(np.mean(values)), 2),
-                                     "std": round(float(np.std(values, ddof=1)), 2) if len(values) > 1 else None,
-                                     "values": values}
-                          for protocol in ("knn", "linear") for values in [[run[protocol] for run in runs]]},
-                       "minutes": round(float(np.mean([run["minutes"] for run in runs])), 1)})
+                       **{protocol: summary_record([run[protocol] for run in runs]) for protocol in ("knn", "linear")},
+                       "minutes": round(float(np.mean([run["minutes"] for run in runs])), 1),
+                       "commits": list({json.dumps(code, sort_keys=True): code
+                                        for run in runs for code in run["commits"]}.values())})
     return merged
 
 
-def markdown_over_seeds(rows: list[dict]) -> str:
-    lines = ["| runs | method | HVS | seeds | k-NN, mean ± std | linear, mean ± std | k-NN by seed | linear by seed | "
-             "minutes (mean) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+def code_states(row: dict) -> list[CodeState]:
+    return [CodeState.from_record(code) for code in row["commits"]]
 
-    def cell(result: dict) -> str:
-        return f"{result['mean']:.2f}%" + (f" ± {result['std']:.2f}" if result["std"] is not None else "")
+
+def markdown_over_seeds(rows: list[dict]) -> str:
+    lines = ["| runs | method | HVS | seeds | k-NN, mean ± std, 95% CI | linear, mean ± std, 95% CI | k-NN by seed | "
+             "linear by seed | minutes (mean) | commits |", "|" + " --- |" * 10]
     for row in rows:
         lines.append(f"| {', '.join(row['runs'])} | {row['method']} | {row['selection']} | "
-                     f"{', '.join(map(str, row['seeds']))} | {cell(row['knn'])} | {cell(row['linear'])} | "
+                     f"{', '.join(map(str, row['seeds']))} | {summary_text(row['knn'])} | "
+                     f"{summary_text(row['linear'])} | "
                      f"{', '.join(f'{v:.2f}' for v in row['knn']['values'])} | "
-                     f"{', '.join(f'{v:.2f}' for v in row['linear']['values'])} | {row['minutes']:.1f} |")
+                     f"{', '.join(f'{v:.2f}' for v in row['linear']['values'])} | {row['minutes']:.1f} | "
+                     f"{commits_cell(code_states(row))} |")
     return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| run | method | HVS | k-NN | linear | minutes | images/s | load (1 min) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | method | HVS | k-NN | linear | minutes | images/s | load (1 min) | commit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         load = "" if row["load_average_1min"] is None else f"{row['load_average_1min']:.2f}"
         rate = "" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"
         lines.append(f"| {row['run']} | {row['method']} | {row['selection']} | {row['knn']:.2f}% | "
-                     f"{row['linear']:.2f}% | {row['minutes']:.1f} | {rate} | {load} |")
+                     f"{row['linear']:.2f}% | {row['minutes']:.1f} | {rate} | {load} | "
+                     f"{commits_cell(code_states(row))} |")
     return "\n".join(lines)
 
 
@@ -142,8 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="finished pretraining runs, evaluated")
     parser.add_argument("--out", metavar="FILE.md", help="also write the table there, and the rows as FILE.json")
     parser.add_argument("--mean-over-seeds", action="store_true",
-                        help="one row per recipe: runs whose settings differ only in seed, with the mean and std "
-                             "(n - 1) of k-NN and linear over their seeds, and each seed's value")
+                        help="one row per recipe: runs whose settings differ only in seed, with the mean, std "
+                             "(n - 1) and 95%% t interval of k-NN and linear over their seeds, and each seed's value")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,11 +165,16 @@ def run(args: argparse.Namespace) -> int:
         rows = mean_over_seeds(list(rows), [recipe(config) for config in configs])
     command = shlex.join(["python", "-m", "eval", "table", *args.runs, *(["--out", args.out] if args.out else []),
                           *(["--mean-over-seeds"] if args.mean_over_seeds else [])])
-    table = (markdown_over_seeds(rows) if args.mean_over_seeds else markdown(rows)) + "\n\n" + made_by(command)[0]
+    code = compare_training_code({row.get("run") or ", ".join(row["runs"]): code_states(row) for row in rows})
+    stamp = made_by(command)[0]
+    table = "".join(warning + "\n\n" for warning in code.warnings) + \
+        (markdown_over_seeds(rows) if args.mean_over_seeds else markdown(rows)) + "\n\n" + stamp
     print(table)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(out, table + "\n")
-        write_text_atomically(out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
+        write_text_atomically(out.with_suffix(".json"), json.dumps(
+            {"made_by": stamp, "mixed_code": code.mixed, "code_warnings": list(code.warnings), "rows": list(rows)},
+            indent=1) + "\n")
     return 0

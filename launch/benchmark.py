@@ -23,6 +23,8 @@ A benchmark file (YAML, configs/benchmarks/*.yaml) lists the rows of the table:
         seeds: [0]
         minutes: 2
         marks: 6
+    comparisons:                   # optional: [row, baseline row] pairs, paired by seed in the table
+      - [simclr_hvs, simclr]
 
 Each (row, seed) is one job (`--cluster local` or Slurm, `--parallel K` at once; a Slurm job array) in
 DIR/rows/NAME_seedS:
@@ -42,12 +44,21 @@ clock in the checkpoint, so a resumed row trains the rest of its minutes. DIR/be
 a row of the same name with other settings is refused once one of its runs has started (they would mean something
 else).
 
-Written to DIR: table.md (also printed; the finals, then each row's curve a column per mark), table.json (every
-run's points, the rows' curves and finals, the machine state) and curves.png (k-NN and linear against minutes of
-training, one line per row: the mean over seeds, the band one standard deviation; the references as horizontal
-lines). The machine's state of each row is read from its runs' metrics.jsonl (cores, torch threads, the 1-minute
-load average at every logged step): a load above the cores says another process shared the machine, and the row's
-minutes bought less training. The table names the command and the commit (git rev-parse HEAD) that made it.
+Written to DIR: table.md (also printed; the finals, the paired differences, then each row's curve a column per
+mark), table.json (every run's points, the rows' curves and finals, the machine state, the commits, the paired
+differences) and curves.png (k-NN and linear against minutes of training, one line per row: the mean over seeds, the
+band one standard deviation; the references as horizontal lines). A row's finals are the mean ± std over its seeds
+and the 95% t interval of the mean (eval/statistics.py). The machine's state of each row is read from its runs'
+metrics.jsonl (cores, torch threads, the 1-minute load average at every logged step): a load above the cores says
+another process shared the machine, and the row's minutes bought less training. The table names the command and
+the commit (git rev-parse HEAD) that made it, each row the commits its runs trained at (their provenance.json), and
+a line at its top says when the rows were trained by code that differs in its training files
+(eval/training_code.py; table.json's `mixed_code`).
+
+`comparisons` (optional): for each [row, baseline row] pair of the file's pretraining or supervised rows, the table's
+"Paired differences" give, per measure (k-NN, linear), row minus baseline at the end of the budget over the seeds
+both rows finished: the mean difference, its 95% t interval and the paired t-test's two-sided p-value, with the
+seeds used (fewer than 2 common seeds: said in its place, not computed).
 
 `--rows A,B` runs (or tables) only the rows named, e.g. references_16px,simclr_20min; `--seeds 0` only those seeds
 of each row, e.g. one seed of every row before the others; the other runs are left as they are.
@@ -66,8 +77,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from eval.results import made_by
+from eval.training_code import compare_training_code
 from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark, select_rows, select_seeds
-from launch.benchmark_results import markdown, plot, read_run, summarise
+from launch.benchmark_results import markdown, paired_differences, plot, read_run, row_code_states, summarise
 from launch.cluster import add_cluster_arguments, cluster_options
 from launch.eval_watch import split
 from launch.jobs import Step
@@ -120,7 +132,8 @@ class BenchmarkJobs(TrialJobs):
 
 def run(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs) -> int:
     options = cluster_options(args)
-    rows = load_benchmark(args.file)
+    benchmark = load_benchmark(args.file)
+    rows = benchmark.rows
     if args.rows:
         rows = select_rows(args.file, rows, args.rows)
     if args.seeds:
@@ -149,19 +162,24 @@ def run(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs)
             print(f"error: {len(failed)} of {len(runs)} runs failed ({names}): their logs are named above. Run the "
                   "same command again to retry them; the finished ones are kept. No table is written.", file=sys.stderr)
             return 1
-    return write_results(args, rows, runs, out_dir)
+    return write_results(args, rows, runs, out_dir, benchmark.comparisons)
 
 
-def write_results(args: argparse.Namespace, rows: list[Row], runs: dict[tuple[str, int], Path], out_dir: Path) -> int:
+def write_results(args: argparse.Namespace, rows: list[Row], runs: dict[tuple[str, int], Path], out_dir: Path,
+                  comparisons: tuple[tuple[str, str], ...] = ()) -> int:
     """table.md (printed), table.json and curves.png of the finished runs: every run after the jobs; with
-    --finished-only, the (row, seed) runs finished so far, each row over its finished seeds, the others named."""
-    entries, not_finished = [], []
+    --finished-only, the (row, seed) runs finished so far, each row over its finished seeds, the others named.
+    Each row shows the commits its runs trained at, the table's top says when they mix training code, and the
+    file's comparisons get their paired differences."""
+    entries, not_finished, code = [], [], {}
     for row in rows:
         results = {seed: read_run(row, seed, runs[row.name, seed]) for seed in row.seeds}
         done = tuple(seed for seed, result in results.items() if result is not None)
         not_finished += [row.run_name(seed) for seed in row.seeds if seed not in done]
         if done:
-            entries += summarise(replace(row, seeds=done), [results[seed] for seed in done])
+            code[row.name] = row_code_states(row, [runs[row.name, seed] for seed in done])
+            for entry in summarise(replace(row, seeds=done), [results[seed] for seed in done]):
+                entries.append({**entry, "commits": [state.to_record() for state in code[row.name]]})
     if not entries:
         print(f"error: no run of {args.file} has finished in {out_dir}: no table is written (run the command without "
               "--finished-only to run them)", file=sys.stderr)
@@ -170,12 +188,14 @@ def write_results(args: argparse.Namespace, rows: list[Row], runs: dict[tuple[st
     if not_finished:
         stamp += (f" A partial table: {len(not_finished)} runs of the file have not finished and are not in it "
                   f"({', '.join(not_finished)}).")
-    table = markdown(entries, stamp)
+    mixed = compare_training_code(code)
+    paired = paired_differences(entries, comparisons)
+    table = markdown(entries, stamp, paired, mixed.warnings)
     print(table)
     write_text_atomically(out_dir / "table.md", table + "\n")
-    write_text_atomically(out_dir / "table.json", json.dumps({"made_by": stamp, "file": args.file,
-                                                              "not_finished": not_finished, "rows": entries},
-                                                             indent=1) + "\n")
+    write_text_atomically(out_dir / "table.json", json.dumps(
+        {"made_by": stamp, "file": args.file, "mixed_code": mixed.mixed, "code_warnings": list(mixed.warnings),
+         "not_finished": not_finished, "comparisons": paired, "rows": entries}, indent=1) + "\n")
     plot(entries, out_dir / "curves.png", f"{args.file}, commit {commit}")
     print(f"results: {out_dir / 'table.md'}, {out_dir / 'table.json'}, {out_dir / 'curves.png'}")
     return 0

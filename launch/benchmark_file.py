@@ -1,6 +1,7 @@
-"""A benchmark file (YAML, configs/benchmarks/*.yaml; its format: launch/benchmark.py) read into its rows, every
-value checked (`load_benchmark`: a LaunchError names the file, the row and the value), and the record of the rows a
-benchmark directory ran with (`check_same_benchmark`, DIR/benchmark.json)."""
+"""A benchmark file (YAML, configs/benchmarks/*.yaml; its format: launch/benchmark.py) read into its rows and the
+paired comparisons its table makes, every value checked (`load_benchmark`: a LaunchError names the file, the row
+and the value), and the record of the rows a benchmark directory ran with (`check_same_benchmark`,
+DIR/benchmark.json)."""
 from __future__ import annotations
 
 import difflib
@@ -21,6 +22,7 @@ MIN_MARKS = 6                   # the issue's "enough points to see the shape"
 ROW_KEYS = ("name", "label", "config", "overrides", "seeds", "minutes", "steps", "marks", "supervised",
             "supervised_overrides")
 REFERENCE_KEYS = ("config", "overrides", "image_sizes", "seeds")
+FILE_KEYS = ("name", "references", "rows", "comparisons")
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,49 @@ def parse_references(where: str, entry) -> list[Row]:
                 seeds=seeds, image_size=size) for size in sizes]
 
 
-def load_benchmark(path: str) -> list[Row]:
-    """The rows of a benchmark file, every value checked (a LaunchError names the file, the row and the value)."""
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark file: its rows (the references first) and its comparisons, (row, baseline row) name pairs whose
+    paired differences over their common seeds the table reports (launch/benchmark_results.py)."""
+
+    rows: list[Row]
+    comparisons: tuple[tuple[str, str], ...] = ()
+
+
+def parse_comparisons(path: str, entry, rows: list[Row]) -> tuple[tuple[str, str], ...]:
+    """`comparisons: [[row, baseline_row], ...]`: pairs of the file's pretraining or supervised rows, each once."""
+    if entry is None:
+        return ()
+    if not isinstance(entry, list):
+        raise LaunchError(f"{path}: comparisons {entry!r} must be a list of [row, baseline_row] pairs, e.g. "
+                          "[[simclr_hvs, simclr]]")
+    compared = {row.name: row for row in rows if row.kind != "reference"}
+    pairs = []
+    for index, pair in enumerate(entry):
+        where = f"{path}: comparisons[{index}]"
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(name, str) for name in pair):
+            raise LaunchError(f"{where} {pair!r} must be a pair of row names [row, baseline_row], e.g. "
+                              "[simclr_hvs, simclr]")
+        for name in pair:
+            if name in compared:
+                continue
+            if any(row.name == name for row in rows):
+                raise LaunchError(f"{where}: {name!r} is a reference row (raw pixels and random init): compare rows "
+                                  "that train, pretraining or supervised")
+            close = difflib.get_close_matches(name, list(compared), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (its rows: {', '.join(compared)})"
+            raise LaunchError(f"{where}: {name!r} is not a row of the file{hint}")
+        if pair[0] == pair[1]:
+            raise LaunchError(f"{where}: {pair!r} compares row {pair[0]} with itself: name a baseline row")
+        if tuple(pair) in pairs:
+            raise LaunchError(f"{where}: {pair!r} is listed twice")
+        pairs.append(tuple(pair))
+    return tuple(pairs)
+
+
+def load_benchmark(path: str) -> Benchmark:
+    """The rows and comparisons of a benchmark file, every value checked (a LaunchError names the file, the row and
+    the value)."""
     file = Path(path)
     if not file.is_file():
         raise LaunchError(f"{path}: no such benchmark file (configs/benchmarks/ holds the shipped ones)")
@@ -202,14 +245,14 @@ def load_benchmark(path: str) -> list[Row]:
         raise LaunchError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(content, dict) or not isinstance(content.get("rows"), list) or not content["rows"]:
         raise LaunchError(f"{path} must be a mapping with a non-empty list `rows` (see configs/benchmarks/digits.yaml)")
-    check_keys(str(path), content, ("name", "references", "rows"))
+    check_keys(str(path), content, FILE_KEYS)
     rows = [*parse_references(f"{path}: references", content.get("references")),
             *(parse_row(f"{path}: rows[{index}]", entry) for index, entry in enumerate(content["rows"]))]
     names = [row.name for row in rows]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise LaunchError(f"{path}: two rows are named {', '.join(twice)}: each row needs its own name (its folder)")
-    return rows
+    return Benchmark(rows, parse_comparisons(str(path), content.get("comparisons"), rows))
 
 
 def select_rows(path: str, rows: list[Row], names: list[str]) -> list[Row]:

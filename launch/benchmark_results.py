@@ -1,18 +1,24 @@
 """What a benchmark measured: each (row, seed) read back from its run directory once complete (`read_run`: a
 pretraining run's k-NN and linear probe at every mark, a supervised run's classifier top-1 after every epoch, a
-reference's raw-pixel and random-init rows), the machine's state while it trained, and the rows summarised into
-the table (Markdown and JSON) and the plot of accuracy against minutes of training."""
+reference's raw-pixel and random-init rows), the machine's state while it trained and the code that trained it
+(`row_code_states`), and the rows summarised into the table (Markdown and JSON: each row's mean, std and 95% t
+interval over its seeds, the paired differences the file asks for, eval/statistics.py) and the plot of accuracy
+against minutes of training."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from eval.results import result_path
+from eval.statistics import paired_difference, summary_record, summary_text
+from eval.training_code import commits_cell, read_code_states
 from launch.benchmark_file import Row
 from launch.trials import read_lines
+from pretrain.runtime.provenance import CodeState
 
 FINAL = 1 << 30                 # the key of a run's last point, whatever mark, step or epoch it fell on
 
@@ -109,14 +115,21 @@ def read_run(row: Row, seed: int, run_dir: Path):
     return reader(row, seed, run_dir)
 
 
+def row_code_states(row: Row, run_dirs: list[Path]) -> list[CodeState]:
+    """The code that trained the row's runs (their provenance.json): a supervised run's fine-tuning, in
+    RUN_DIR/finetune/NAME, beside the one pretraining step that sized its network."""
+    if row.kind == "supervised":
+        run_dirs = [folder for run_dir in run_dirs for folder in
+                    (run_dir, *sorted(path.parent for path in (run_dir / "finetune").glob("*/metrics.jsonl")))]
+    return read_code_states(run_dirs)
+
+
 # ============ the table, its JSON and the plot ============
 
 def spread(values: list[float]) -> dict:
-    """Mean and standard deviation (n - 1; 0 for one value) of accuracies, in percent."""
-    percent = [100 * value for value in values]
-    return {"mean": round(float(np.mean(percent)), 2),
-            "std": round(float(np.std(percent, ddof=1)), 2) if len(percent) > 1 else 0.0,
-            "values": [round(value, 2) for value in percent]}
+    """Accuracies over seeds in percent: mean, standard deviation (n - 1), 95% t interval of the mean (both None for
+    one seed), n and the values (eval/statistics.py: `summary_record`)."""
+    return summary_record([100 * float(value) for value in values])
 
 
 def row_curve(runs: list[Run], measure: str) -> list[dict]:
@@ -157,28 +170,100 @@ def summarise(row: Row, results: list) -> list[dict]:
 
 
 def cell(value: dict | None) -> str:
+    """A curve's point: mean ± std over the seeds (a point along the way; the finals also show their interval)."""
     if value is None:
         return "-"
     return f"{value['mean']:.2f}%" + (f" ± {value['std']:.2f}" if len(value["values"]) > 1 else "")
 
 
-def markdown(entries: list[dict], made_by: str) -> str:
-    lines = [made_by, "", "k-NN: top-1 at k = 20; linear: the linear probe's top-1 (a supervised row: its classifier's); "
-             "mean ± std over the seeds, at the end of the budget. Load: the 1-minute load average while the row "
-             "trained; a run alone shows about its own threads and loader workers, more says another process shared "
-             "the cores.", "",
+def final_cell(value: dict | None) -> str:
+    return "-" if value is None else summary_text(value)
+
+
+def code_of(entry: dict) -> list[CodeState]:
+    return [CodeState.from_record(code) for code in entry.get("commits", [])]
+
+
+def paired_differences(entries: list[dict], comparisons: Iterable[tuple[str, str]]) -> list[dict]:
+    """Each (row, baseline row) comparison's paired difference at the end of the budget, row minus baseline in points
+    of top-1, per measure (k-NN, linear) over the seeds both finished: mean, 95% t interval, the paired t-test's
+    two-sided p-value (eval/statistics.py: `paired_difference`), or what kept it from being computed."""
+    by_row = {entry["row"]: entry for entry in entries if entry["kind"] in ("pretrain", "supervised")}
+    results = []
+    for row, baseline in comparisons:
+        found = [by_row.get(row), by_row.get(baseline)]
+        comparison = {"row": row, "baseline": baseline,
+                      "labels": [entry["label"] if entry else name for entry, name in zip(found, (row, baseline))],
+                      "measures": []}
+        results.append(comparison)
+        if None in found:
+            missing = [name for entry, name in zip(found, (row, baseline)) if entry is None]
+            comparison["error"] = f"no finished run of {' and '.join(missing)} in this table"
+            continue
+        for measure in ("knn", "linear"):
+            if found[0][measure] is None or found[1][measure] is None:
+                continue                                     # a supervised row has no k-NN
+            values = [{run["seed"]: 100 * run["points"][-1][measure] for run in entry["runs"]} for entry in found]
+            try:
+                paired = paired_difference(*values)
+            except ValueError as error:
+                comparison["measures"].append({"measure": measure, "error": str(error)})
+                continue
+            comparison["measures"].append({
+                "measure": measure, "seeds": list(paired.seeds), "n": paired.n, "difference": round(paired.mean, 2),
+                "ci95": [round(bound, 2) for bound in paired.interval],
+                "p_value": None if paired.p_value is None else float(f"{paired.p_value:.3g}"), "note": paired.note})
+    return results
+
+
+def paired_section(comparisons: list[dict]) -> list[str]:
+    if not comparisons:
+        return []
+    lines = ["", "Paired differences: row minus baseline at the end of the budget, in points of top-1, over the seeds "
+             "both rows finished (their runs paired by seed); the 95% t interval of the mean difference and the paired "
+             "t-test's two-sided p-value.", "",
+             "| row | baseline | measure | seeds | difference | 95% CI | p |", "|" + " --- |" * 7]
+    names = {"knn": "k-NN", "linear": "linear"}
+    for comparison in comparisons:
+        row, baseline = comparison["labels"]
+        if "error" in comparison:
+            lines.append(f"| {row} | {baseline} | - | - | {comparison['error']} | - | - |")
+        for result in comparison["measures"]:
+            if "error" in result:
+                lines.append(f"| {row} | {baseline} | {names[result['measure']]} | - | {result['error']} | - | - |")
+                continue
+            interval, p_value = "-", "-"                  # differences without spread: no interval, no test
+            if result["p_value"] is not None:
+                low, high = result["ci95"]
+                interval, p_value = f"[{low:+.2f}, {high:+.2f}]", f"{result['p_value']:.3g}"
+            note = f" ({result['note']})" if result["note"] else ""
+            lines.append(f"| {row} | {baseline} | {names[result['measure']]} | {', '.join(map(str, result['seeds']))} "
+                         f"| {result['difference']:+.2f}{note} | {interval} | {p_value} |")
+    return lines
+
+
+def markdown(entries: list[dict], made_by: str, comparisons: list[dict] = (),
+             code_warnings: tuple[str, ...] = ()) -> str:
+    """table.md: the code warnings (eval/training_code.py) at the top, the command and commit, the finals, the
+    paired differences (`paired_differences`), then each row's curve mark by mark."""
+    lines = [*(line for warning in code_warnings for line in (warning, "")), made_by, "",
+             "k-NN: top-1 at k = 20; linear: the linear probe's top-1 (a supervised row: its classifier's); "
+             "mean ± std over the seeds and the 95% t interval of the mean, at the end of the budget. Load: the "
+             "1-minute load average while the row trained; a run alone shows about its own threads and loader "
+             "workers, more says another process shared the cores. Commits: the code its runs trained at.", "",
              "| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes trained | steps | cores | "
-             "threads | load (1 min), median / max |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "threads | load (1 min), median / max | commits |",
+             "|" + " --- |" * 13]
     for entry in entries:
         by_seed = [", ".join(f"{v:.2f}" for v in entry[m]["values"]) if entry[m] else "-" for m in ("knn", "linear")]
         load = "" if entry.get("load_median") is None else f"{entry['load_median']:.2f} / {entry['load_max']:.2f}"
         minutes = "" if entry.get("minutes") is None else f"{entry['minutes']:.2f}"
         steps = ", ".join(str(s) for s in entry.get("steps", []))
         lines.append(f"| {entry['label']} | {entry['budget']} | {', '.join(map(str, entry['seeds']))} | "
-                     f"{cell(entry['knn'])} | {cell(entry['linear'])} | {by_seed[0]} | {by_seed[1]} | {minutes} | "
-                     f"{steps} | {entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} |")
-    return "\n".join(lines + along_the_way(entries))
+                     f"{final_cell(entry['knn'])} | {final_cell(entry['linear'])} | {by_seed[0]} | {by_seed[1]} | "
+                     f"{minutes} | {steps} | {entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} | "
+                     f"{commits_cell(code_of(entry))} |")
+    return "\n".join(lines + paired_section(list(comparisons)) + along_the_way(entries))
 
 
 def along_the_way(entries: list[dict]) -> list[str]:
@@ -234,7 +319,7 @@ def plot(entries: list[dict], path: Path, title: str) -> None:
             if not curve:
                 continue
             x = [p["minutes"] for p in curve]
-            mean, std = np.array([p["mean"] for p in curve]), np.array([p["std"] for p in curve])
+            mean, std = np.array([p["mean"] for p in curve]), np.array([p["std"] or 0.0 for p in curve])
             colour, marker = styles[entry["label"]]
             axes.plot(x, mean, marker=marker, markersize=3, color=colour, label=entry["label"])
             if len(entry["seeds"]) > 1:

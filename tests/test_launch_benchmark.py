@@ -7,6 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -16,6 +17,7 @@ from launch.cluster import LaunchError
 from tests.machine_speed import scaled
 from tests import forked_runs
 from tests.conftest import wait_for
+from tests.git_checkouts import this_checkouts_label
 from tests.run_helpers import ROOT, kill_process_tree
 
 CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
@@ -25,9 +27,9 @@ SMALL = ["data.batch_size=32", "data.num_workers=1", "data.views.0.size=8", "mod
          "model.proj_out_dim=32", "engine.image_grid_every_steps=0"]
 
 
-def write_benchmark(path: Path, rows: list[dict], references: dict | None = None) -> Path:
+def write_benchmark(path: Path, rows: list[dict], references: dict | None = None, **more) -> Path:
     path.write_text(yaml.safe_dump({"name": "tiny", **({"references": references} if references else {}),
-                                    "rows": rows}))
+                                    "rows": rows, **more}))
     return path
 
 
@@ -38,7 +40,8 @@ def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their
                                                                "overrides": [*data, "data.num_workers=1"]}, rows=[
         {"name": "simclr", "label": "SimCLR", "config": CONFIG, "overrides": [*data, *SMALL], "steps": 6, "marks": 6},
         {"name": "cross_entropy", "config": CONFIG, "overrides": [*data, *SMALL], "supervised": RECIPE,
-         "supervised_overrides": ["data.label_fraction=100%", "data.batch_size=128"], "steps": 6, "marks": 6}])
+         "supervised_overrides": ["data.label_fraction=100%", "data.batch_size=128"], "steps": 6, "marks": 6}],
+        comparisons=[["simclr", "cross_entropy"]])
     out = tmp_path / "bench"
     command = ["benchmark", str(file), "--cluster", "local", "--out-dir", str(out)]
     first = forked_runs.start("launch", command)
@@ -86,8 +89,22 @@ def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their
     assert rows["random init, 8 px"]["linear"]["values"] == [round(100 * baselines["random_init"]["linear"], 2)]
     table = (out / "table.md").read_text()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    assert f"Made by `python -m launch {' '.join(command)}` at commit {commit}" in table
-    assert f"| SimCLR | 6 steps, 6 marks | 0 | {100 * result['knn']['20']:.2f}% | {100 * result['linear']:.2f}% |" in table
+    assert table.startswith(f"Made by `python -m launch {' '.join(command)}` at commit {commit}")
+    assert (f"| SimCLR | 6 steps, 6 marks | 0 | {100 * result['knn']['20']:.2f}% (1 seed: no interval) | "
+            f"{100 * result['linear']:.2f}% (1 seed: no interval) |") in table
+    # Every row's runs (the killed and resumed one, the fine-tuning, the references) recorded this checkout's code:
+    # each row shows it, and nothing is mixed.
+    here = this_checkouts_label(ROOT)
+    finals = [line for line in table.split("\n\n")[2].splitlines() if line.startswith("| ")][2:]
+    assert len(finals) == 4 and all(line.endswith(f"| {here} |") for line in finals), finals
+    written = json.loads((out / "table.json").read_text())
+    assert (written["mixed_code"], written["code_warnings"]) == (False, [])
+    assert [start["step"] for start in json.loads((simclr / "provenance.json").read_text())] == [0, killed_at]
+    # one seed each: the comparison says why it has no paired difference (and a supervised row has no k-NN)
+    assert ("| SimCLR | cross_entropy (classifier top-1) | linear | - | a paired comparison needs at least 2 seeds "
+            "both rows ran; they share 1 (0; the row has seeds [0], the baseline [0]): run the same seeds of both | - "
+            "| - |") in table
+    assert [m["measure"] for m in written["comparisons"][0]["measures"]] == ["linear"]
     assert table.strip() in second.stdout and (out / "curves.png").stat().st_size > 0
 
 
@@ -134,6 +151,44 @@ def test_the_table_shows_each_rows_curve_mark_by_mark_for_comparing_rows_at_equa
         in table
 
 
+def test_the_finals_show_their_t_interval_and_a_comparison_its_paired_difference_over_the_common_seeds():
+    """The file's comparison [hvs, plain]: row minus baseline at the budget's end per measure, over the seeds both
+    finished (seed 3 of one row alone is left out), equal to scipy's paired t-test; each final with its 95% t
+    interval (eval/statistics.py, tested against scipy there)."""
+    from scipy import stats
+
+    from launch.benchmark_results import paired_differences
+
+    machine = {"cores": 2, "threads": 2, "load_median": 1.8, "load_max": 2.1}
+    finals = {"plain": {0: (0.800, 0.850), 1: (0.812, 0.861), 2: (0.795, 0.846)},
+              "hvs": {0: (0.808, 0.852), 1: (0.822, 0.866), 2: (0.801, 0.851), 3: (0.9, 0.9)}}
+    entries = []
+    for name, seeds in finals.items():
+        row = Row(name=name, label=name.upper(), kind="pretrain", config="c", seeds=tuple(seeds), steps=6, marks=6)
+        runs = [Run(seed, f"runs/{name}_{seed}", [{"step": 6, "minutes": 1.0, "knn": knn, "linear": linear}], machine)
+                for seed, (knn, linear) in seeds.items()]
+        for run in runs:
+            mark_keys(row, run.points)
+        entries += summarise(row, runs)
+    assert entries[0]["knn"]["ci95"] == [round(bound, 2) for bound in stats.t.interval(
+        0.95, 2, loc=np.mean([80.0, 81.2, 79.5]), scale=stats.sem([80.0, 81.2, 79.5]))]
+    paired = paired_differences(entries, [("hvs", "plain")])
+    knn = stats.ttest_rel([80.8, 82.2, 80.1], [80.0, 81.2, 79.5])
+    assert paired[0]["measures"][0]["seeds"] == [0, 1, 2]
+    assert paired[0]["measures"][0]["p_value"] == pytest.approx(knn.pvalue, rel=1e-3)
+    assert paired[0]["measures"][0]["ci95"] == pytest.approx(list(knn.confidence_interval(0.95)), abs=0.005)
+    table = markdown(entries, "made by test", paired).splitlines()
+    low, high = knn.confidence_interval(0.95)
+    assert f"| HVS | PLAIN | k-NN | 0, 1, 2 | +0.80 | [{low:+.2f}, {high:+.2f}] | {knn.pvalue:.3g} |" in table
+    assert table[6].startswith("| PLAIN | 6 steps, 6 marks | 0, 1, 2 | 80.23% ± 0.87, 95% CI [78.06, 82.40] | ")
+    assert table[6].endswith("| unknown |")                                 # runs without provenance.json
+    missing = paired_differences(entries, [("hvs", "gone")])
+    assert missing[0]["error"] == "no finished run of gone in this table"
+    same = paired_differences(entries, [("plain", "plain")])                  # differences all 0: said, not tested
+    assert "| PLAIN | PLAIN | k-NN | 0, 1, 2 | +0.00 (the 3 differences are all 0: no spread, so no t-test and no " \
+        "interval) | - | - |" in markdown(entries, "made by test", same).splitlines()
+
+
 ROW = {"name": "simclr", "config": CONFIG, "minutes": 1, "marks": 6}
 
 
@@ -178,13 +233,40 @@ def test_a_bad_file_or_reference_is_refused_and_the_command_writes_nothing(tmp_p
     assert not out.exists()
 
 
+@pytest.mark.parametrize("comparisons, message", [
+    ([["simclr_hvs", "simclr"]], None),
+    ([["simclr_hvs", "simclr_hsv"]], "comparisons[0]: 'simclr_hsv' is not a row of the file; did you mean "
+                                     "'simclr_hvs'?"),
+    ([["simclr_hvs", "references_8px"]], "comparisons[0]: 'references_8px' is a reference row"),
+    ([["simclr", "simclr"]], "comparisons[0]: ['simclr', 'simclr'] compares row simclr with itself"),
+    ([["simclr_hvs"]], "comparisons[0] ['simclr_hvs'] must be a pair of row names [row, baseline_row]"),
+    ([["simclr_hvs", "simclr"], ["simclr_hvs", "simclr"]], "comparisons[1]: ['simclr_hvs', 'simclr'] is listed twice"),
+    ("simclr_hvs", "comparisons 'simclr_hvs' must be a list of [row, baseline_row] pairs"),
+])
+def test_a_files_comparisons_name_two_of_its_training_rows(tmp_path, comparisons, message):
+    file = write_benchmark(tmp_path / "compared.yaml", [ROW, {**ROW, "name": "simclr_hvs"}],
+                           {"config": CONFIG, "image_sizes": [8]}, comparisons=comparisons)
+    if message is None:
+        assert load_benchmark(str(file)).comparisons == (("simclr_hvs", "simclr"),)
+        return
+    with pytest.raises(LaunchError) as refused:
+        load_benchmark(str(file))
+    assert str(refused.value).startswith(f"{file}: ") and message in str(refused.value), refused.value
+
+
+def test_a_mistyped_top_level_key_is_refused_by_name(tmp_path):
+    file = write_benchmark(tmp_path / "typo.yaml", [ROW], comparison=[["simclr", "simclr"]])
+    with pytest.raises(LaunchError, match="unknown key 'comparison'; did you mean 'comparisons'"):
+        load_benchmark(str(file))
+
+
 def test_rows_runs_the_named_rows_in_the_files_order_and_an_unknown_name_is_refused_with_the_files_names(
         tmp_path, capsys):
     from launch.__main__ import main
 
     file = write_benchmark(tmp_path / "two.yaml", [ROW, {**ROW, "name": "simclr_hvs"}],
                            {"config": CONFIG, "image_sizes": [8]})
-    rows = load_benchmark(str(file))
+    rows = load_benchmark(str(file)).rows
     picked = select_rows(str(file), rows, ["simclr_hvs", "references_8px"])
     assert [row.name for row in picked] == ["references_8px", "simclr_hvs"]
     out = tmp_path / "out"
@@ -201,7 +283,7 @@ def test_seeds_keeps_each_rows_named_seeds_leaves_out_the_rows_without_them_and_
     file = write_benchmark(tmp_path / "two.yaml", [{**ROW, "seeds": [0, 1, 2]},
                                                    {**ROW, "name": "simclr_hvs", "seeds": [1]}],
                            {"config": CONFIG, "image_sizes": [8]})
-    rows = load_benchmark(str(file))
+    rows = load_benchmark(str(file)).rows
     assert [(row.name, row.seeds) for row in select_seeds(str(file), rows, [0, 2])] == [
         ("references_8px", (0,)), ("simclr", (0, 2))]
     assert [(row.name, row.seeds) for row in select_seeds(str(file), rows, [1])] == [("simclr", (1,)),
@@ -228,7 +310,7 @@ def test_a_row_found_again_with_other_settings_is_refused_and_new_seeds_are_welc
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/benchmarks").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_benchmark_file_loads_with_its_references_and_at_least_6_marks_a_row(path):
-    rows = load_benchmark(str(path))
+    rows = load_benchmark(str(path)).rows
     assert {row.kind for row in rows} == {"reference", "pretrain", "supervised"}
     assert all(row.marks >= 6 for row in rows if row.kind != "reference")
 

@@ -77,6 +77,19 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     assert sorted(p.name for p in stale.iterdir()) == ["lock"]          # nothing was built there
 
     assert load_config(run_dir / "config.yaml").hvs.enabled is True     # the resolved config, re-loadable
+    # The start's provenance: this checkout's commit, dirty as `git status` sees it (untracked files count), the
+    # config, the packages and the machine.
+    (start,) = json.loads((run_dir / "provenance.json").read_text())
+    git = ["git", "-C", str(ROOT)]
+    assert start["step"] == 0 and start["code"]["commit"] == subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert start["code"]["dirty"] == bool(subprocess.run([*git, "status", "--porcelain"], capture_output=True,
+                                                         text=True, check=True).stdout.strip())
+    assert start["config"]["hvs"]["enabled"] is True and start["config"]["run_dir"] == str(run_dir)
+    assert start["packages"]["torch"] == torch.__version__.split("+")[0] and start["packages"]["python"] == \
+        ".".join(map(str, sys.version_info[:3]))
+    assert start["machine"]["cpu_count"] == os.cpu_count() and start["machine"]["gpus"] == (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else None)
     export = torch.load(run_dir / "backbone.pth", weights_only=True)
     assert export["arch"] == "resnet18" and export["step"] == 4 and "conv1.weight" in export["state_dict"]
     lines = logged(run_dir)
@@ -105,6 +118,7 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     shapes = run(pretrain_command(run_dir, digits, "model.proj_hidden_dim=48"), expect=2)
     assert "none of the 2 checkpoints" in shapes.stderr and "step00000004" in shapes.stderr
     assert load_config(run_dir / "config.yaml").model.proj_hidden_dim == 64
+    assert len(json.loads((run_dir / "provenance.json").read_text())) == 1     # a refused start is not a start
 
     # A corrupt newest checkpoint: resume falls back to the newest one that loads, and says so. A torn last
     # line in metrics.jsonl (a crash mid-write) is dropped with a warning. Each step is logged once.
@@ -118,6 +132,7 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     assert "at step 2 " in resumed.stdout and "dropped the torn last line" in resumed.stderr
     assert [line["step"] for line in logged(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 6
+    assert [start["step"] for start in json.loads((run_dir / "provenance.json").read_text())] == [0, 2]
 
     # A damaged export of the finished run (a truncated copy): rerunning the command writes it again from the final
     # checkpoint (it used to say "done" and leave it corrupt). The exported weights are the final checkpoint's.
@@ -128,6 +143,7 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
     repaired = torch.load(run_dir / "backbone.pth", weights_only=True)
     assert repaired["step"] == 6 and all(torch.equal(repaired["state_dict"][k], v) for k, v in exported.items())
     assert [line["step"] for line in logged(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert [start["step"] for start in json.loads((run_dir / "provenance.json").read_text())] == [0, 2, 6]
 
 
 @pytest.mark.slow

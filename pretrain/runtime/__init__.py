@@ -9,6 +9,8 @@
     distributed.py     process groups and the all-reduces the loop agrees by
     gradient_edits.py  per-parameter clipping and frozen groups
     monitor.py         metrics.jsonl, TensorBoard and the console line
+    provenance.py      RUN_DIR/provenance.json: the commit (and local changes), config, packages and machine of every
+                       start; the one reading of the checkout's git state
     graceful_stop.py, run_lock.py, divergence.py, exit_status.py: signals, one run per directory, and the errors
                        a run ends with
     atomic_write.py, argument_types.py, config_error.py, cpu_threads.py, memory_reuse.py: what every command uses

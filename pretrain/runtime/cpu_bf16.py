@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+from pretrain.runtime.provenance import cpu_model_name
+
 # oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA) below AVX512_CORE_BF16: with one of
 # these, oneDNN emits no native bf16 instruction whatever the CPU has.
 ONEDNN_CAPS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
@@ -32,15 +34,7 @@ def cpu_description() -> str:
     """'MODEL (torch: CAPABILITY)', e.g. 'AMD EPYC (torch: AVX2)': what the warning and the docs name."""
     import torch
 
-    model = "this CPU"
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model} (torch: {torch.backends.cpu.get_cpu_capability()})"
+    return f"{cpu_model_name() or 'this CPU'} (torch: {torch.backends.cpu.get_cpu_capability()})"
 
 
 def emulated_bf16_warning() -> str:

@@ -61,6 +61,7 @@ from pretrain.runtime.graceful_stop import GracefulStop, StopRequested
 from pretrain.runtime.gradient_edits import GradientEdits
 from pretrain.runtime.monitor import TrainingMonitor
 from pretrain.runtime.optim import Schedules, set_schedule_values
+from pretrain.runtime.provenance import record_start
 from pretrain.runtime.run_lock import locked_run_directory
 from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config, uses_bf16
 from pretrain.runtime.task import BatchLoss, BatchPosition, Scalar, TrainingTask, scalar_value
@@ -302,6 +303,8 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     else:
         stage.check_fresh_start()
     stage.record(task, steps_per_epoch, rank)
+    if rank == 0:       # every start, each resume too: what code and which machine trained from this step on
+        record_start(stage.run_dir, engine.global_steps if resumed_at is not None else 0)
     total_steps = options.epochs * steps_per_epoch
     stop_step = min(total_steps, options.max_steps) if options.max_steps > 0 else total_steps
     monitor = TrainingMonitor(stage.run_dir, stop_step, enabled=rank == 0, print_every_steps=options.print_every_steps,

@@ -143,7 +143,8 @@ class Stage:
 
     def record(self, task: TrainingTask, steps_per_epoch: int, rank: int) -> None:
         """After the resume decision (a refused start must not overwrite the record of the run it clashed with):
-        write what ran (RUN_DIR/config.yaml) and say so, on rank 0."""
+        write what ran (RUN_DIR/config.yaml) and say so, on rank 0. The loop then appends the start's code and
+        machine to RUN_DIR/provenance.json (pretrain/runtime/provenance.py), the same for every stage."""
 
     def finish(self, engine, task: TrainingTask, step: int, epoch: int, rank: int) -> Any:
         """After the last step, on every rank; what `run_training` returns."""
