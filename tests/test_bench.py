@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import forked_runs
 
@@ -120,3 +121,66 @@ def test_peers_scores_an_export_once_and_again_when_the_export_is_newer(tmp_path
     os.utime(checkpoint, (later, later))                                   # trained again after it was scored
     peers.evaluate(tmp_path, checkpoint)
     assert scored == ["knn", "linear", "knn", "linear"]
+
+
+def project_and_plain_step(config: str, overrides: list[str]) -> dict:
+    """From the same weights and batch (`bench train`'s fixed views), one step of the project (`train_step` through
+    the DeepSpeed engine, as the loop takes it) and one of `bench train`'s plain loop (`plain_step`): each side's
+    loss and every parameter's gradient, read as backward accumulated it (before the optimizer used it)."""
+    import copy
+
+    from pretrain.bench.train import fixed_batch, plain_step
+    from pretrain.config import load_config
+    from pretrain.methods import build_method
+    from pretrain.runtime.distributed import init_distributed, release_distributed
+    from pretrain.runtime.loop import train_step
+    from pretrain.runtime.optim import build_optimizer
+    from pretrain.runtime.task import BatchPosition
+    from tests.engine_helpers import SMALL_RESNET, engine_for
+
+    cfg = load_config(ROOT / config, [*overrides, "data.batch_size=8", *SMALL_RESNET])
+    torch.manual_seed(cfg.seed)
+    project = build_method(cfg, 10).train()
+    plain = copy.deepcopy(project)
+
+    def capture(method) -> dict:
+        gradients = {}
+        for name, parameter in method.named_parameters():
+            if parameter.requires_grad:
+                parameter.register_post_accumulate_grad_hook(
+                    lambda p, name=name: gradients.__setitem__(name, p.grad.detach().clone()))
+        return gradients
+
+    batch = fixed_batch(cfg, torch.device("cpu"))
+    init_distributed("cpu")
+    try:
+        project_gradients = capture(project)
+        engine, _, gradient_edits = engine_for(cfg, project)
+        engine.train()
+        project_loss = train_step(engine, project, batch, BatchPosition(cfg.seed, 0, 0, 0),
+                                  gradient_edits=gradient_edits).loss
+        del engine
+    finally:
+        release_distributed()
+    plain_gradients = capture(plain)
+    plain_loss = plain_step(cfg, plain, build_optimizer(cfg, plain.param_groups(), cfg.optim.lr), batch, 0, False)
+    return {"losses": (float(project_loss), float(plain_loss)), "gradients": (project_gradients, plain_gradients)}
+
+
+def cases_of_bench_train() -> list[tuple[str, str, list[str]]]:
+    from pretrain.bench.train import cases
+    return cases(imagenet=False)
+
+
+@pytest.mark.parametrize("name, config, overrides", cases_of_bench_train(),
+                         ids=[name.replace(" ", "_") for name, _, _ in cases_of_bench_train()])
+def test_bench_trains_plain_loop_computes_the_projects_loss_and_gradients(name, config, overrides):
+    """`bench train` sets the project's step against a plain loop: a ratio that means something only if both do the
+    same work. For every case it times: the same loss and the same gradient of every parameter, on the same batch."""
+    result = project_and_plain_step(config, overrides)
+    project_loss, plain_loss = result["losses"]
+    assert plain_loss == pytest.approx(project_loss, rel=1e-6), name
+    project, plain = result["gradients"]
+    assert project.keys() == plain.keys() and project, name
+    for key, gradient in project.items():
+        torch.testing.assert_close(plain[key], gradient, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")

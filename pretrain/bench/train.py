@@ -169,20 +169,31 @@ def plain_step_seconds(cfg, steps: int, device: torch.device, variant: str | Non
     times = []
     for step in range(steps):
         start = time.perf_counter()
-        views = batch.views
-        if cfg.hvs.enabled:
-            views = select_hard_views(method, method, batch.views, batch.boxes, batch.labels, method.train_counts,
-                                      cfg.hvs.mode, cfg.hvs.selection_size, cfg.hvs.max_candidates,
-                                      random.Random(step)).views
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            outputs = method(views)
-        loss = method.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        method.after_step(step + 1)
+        plain_step(cfg, method, optimizer, batch, step, bf16)
         times.append(finish_step(device) - start)
     return times
+
+
+def plain_step(cfg, method, optimizer, batch: ViewBatch, step: int, bf16: bool) -> torch.Tensor:
+    """The plain loop's step `step` (from 0): hard view selection when cfg.hvs.enabled (the same
+    `select_hard_views`), the method's forward under bf16 autocast when `bf16`, its loss in fp32, backward, the
+    optimizer's step, the method's after-step updates (EMA teachers, queues). Returns the loss. Its loss and
+    gradients equal the project's step on the same batch (tests/test_bench.py), so the benchmark times the same work.
+    """
+    views = batch.views
+    if cfg.hvs.enabled:
+        views = select_hard_views(method, method, batch.views, batch.boxes, batch.labels, method.train_counts,
+                                  cfg.hvs.mode, cfg.hvs.selection_size, cfg.hvs.max_candidates,
+                                  random.Random(step)).views
+    device_type = next(method.parameters()).device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        outputs = method(views)
+    loss = method.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    method.after_step(step + 1)
+    return loss.detach()
 
 
 def case_config(config: str, overrides: list[str], run_dir: Path, steps: int, data: Path | None):
