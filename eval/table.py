@@ -29,9 +29,8 @@ import yaml
 
 from eval.results import made_by
 from eval.statistics import summary_record, summary_text
-from eval.training_code import commits_cell, compare_training_code, read_code_states
+from eval.training_code import commits_cell, compare_training_code, read_code_states, states_of
 from pretrain.runtime.atomic_write import write_text_atomically
-from pretrain.runtime.provenance import CodeState
 
 HELP = "the results table of finished, evaluated runs (Markdown)"
 
@@ -122,10 +121,6 @@ def mean_over_seeds(rows: list[dict], recipes: list[str]) -> list[dict]:
     return merged
 
 
-def code_states(row: dict) -> list[CodeState]:
-    return [CodeState.from_record(code) for code in row["commits"]]
-
-
 def markdown_over_seeds(rows: list[dict]) -> str:
     lines = ["| runs | method | HVS | seeds | k-NN, mean ± std, 95% CI | linear, mean ± std, 95% CI | k-NN by seed | "
              "linear by seed | minutes (mean) | commits |", "|" + " --- |" * 10]
@@ -135,7 +130,7 @@ def markdown_over_seeds(rows: list[dict]) -> str:
                      f"{summary_text(row['linear'])} | "
                      f"{', '.join(f'{v:.2f}' for v in row['knn']['values'])} | "
                      f"{', '.join(f'{v:.2f}' for v in row['linear']['values'])} | {row['minutes']:.1f} | "
-                     f"{commits_cell(code_states(row))} |")
+                     f"{commits_cell(states_of(row))} |")
     return "\n".join(lines)
 
 
@@ -147,7 +142,7 @@ def markdown(rows: list[dict]) -> str:
         rate = "" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"
         lines.append(f"| {row['run']} | {row['method']} | {row['selection']} | {row['knn']:.2f}% | "
                      f"{row['linear']:.2f}% | {row['minutes']:.1f} | {rate} | {load} | "
-                     f"{commits_cell(code_states(row))} |")
+                     f"{commits_cell(states_of(row))} |")
     return "\n".join(lines)
 
 
@@ -165,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         rows = mean_over_seeds(list(rows), [recipe(config) for config in configs])
     command = shlex.join(["python", "-m", "eval", "table", *args.runs, *(["--out", args.out] if args.out else []),
                           *(["--mean-over-seeds"] if args.mean_over_seeds else [])])
-    code = compare_training_code({row.get("run") or ", ".join(row["runs"]): code_states(row) for row in rows})
+    code = compare_training_code({row.get("run") or ", ".join(row["runs"]): states_of(row) for row in rows})
     stamp = made_by(command)[0]
     table = "".join(warning + "\n\n" for warning in code.warnings) + \
         (markdown_over_seeds(rows) if args.mean_over_seeds else markdown(rows)) + "\n\n" + stamp

@@ -44,6 +44,11 @@ def read_code_states(run_dirs: Iterable[Path]) -> list[CodeState]:
     return states
 
 
+def states_of(row: dict) -> list[CodeState]:
+    """The code states a table's row holds under "commits" (as `CodeState.to_record` wrote them)."""
+    return [CodeState.from_record(code) for code in row.get("commits", [])]
+
+
 def commits_cell(states: Sequence[CodeState]) -> str:
     """'9621bbb', '9621bbb+dirty, 1f34963', 'unknown': a row's commits as its table cell."""
     return ", ".join(dict.fromkeys(state.label() for state in states)) or "unknown"

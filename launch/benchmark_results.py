@@ -15,7 +15,7 @@ import numpy as np
 
 from eval.results import result_path
 from eval.statistics import paired_difference, summary_record, summary_text
-from eval.training_code import commits_cell, read_code_states
+from eval.training_code import commits_cell, read_code_states, states_of
 from launch.benchmark_file import Row
 from launch.trials import read_lines
 from pretrain.runtime.provenance import CodeState
@@ -180,10 +180,6 @@ def final_cell(value: dict | None) -> str:
     return "-" if value is None else summary_text(value)
 
 
-def code_of(entry: dict) -> list[CodeState]:
-    return [CodeState.from_record(code) for code in entry.get("commits", [])]
-
-
 def paired_differences(entries: list[dict], comparisons: Iterable[tuple[str, str]]) -> list[dict]:
     """Each (row, baseline row) comparison's paired difference at the end of the budget, row minus baseline in points
     of top-1, per measure (k-NN, linear) over the seeds both finished: mean, 95% t interval, the paired t-test's
@@ -262,7 +258,7 @@ def markdown(entries: list[dict], made_by: str, comparisons: list[dict] = (),
         lines.append(f"| {entry['label']} | {entry['budget']} | {', '.join(map(str, entry['seeds']))} | "
                      f"{final_cell(entry['knn'])} | {final_cell(entry['linear'])} | {by_seed[0]} | {by_seed[1]} | "
                      f"{minutes} | {steps} | {entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} | "
-                     f"{commits_cell(code_of(entry))} |")
+                     f"{commits_cell(states_of(entry))} |")
     return "\n".join(lines + paired_section(list(comparisons)) + along_the_way(entries))
 
 
