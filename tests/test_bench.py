@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests import forked_runs
+from tests.engine_helpers import SMALL_RESNET
 
 pytestmark = pytest.mark.slow          # every benchmark command, tiny
 
@@ -19,9 +20,10 @@ def test_bench_commands_run_and_write_their_tables(tmp_path):
                                        "1", "--views", "2", "--data-dir", tmp_path / "data", "--out",
                                        tmp_path / "loader.json"])
     assert json.loads((tmp_path / "loader.json").read_text())
-    forked_runs.run("pretrain.bench", ["hvs", "--batch-size", "8", "--steps", "1", "--warmup", "1", "--out",
-                                       tmp_path / "hvs.json"])
-    assert json.loads((tmp_path / "hvs.json").read_text())
+    forked_runs.run("pretrain.bench", ["hvs", "--batch-size", "8", "--steps", "1", "--warmup", "1", "--override",
+                                       *SMALL_RESNET, "--out", tmp_path / "hvs.json"])
+    result = json.loads((tmp_path / "hvs.json").read_text())
+    assert len(result["rows"]) == 6 and result["overrides"] == SMALL_RESNET
     precision = forked_runs.run("pretrain.bench", ["precision", "--batch-size", "2", "--size", "8", "--rounds", "2",
                                                    "--arch", "test_resnet", "--stem", "imagenet",
                                                    "--out", tmp_path / "precision.json"])

@@ -148,19 +148,21 @@ def test_tiny_run_with_selection_then_clashes_a_corrupt_checkpoint_and_a_torn_lo
 
 @pytest.mark.slow
 def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_path):
-    """Four short epochs of SimCLR, evaluated by the k-NN command, against the same encoder at its random
-    initialisation (the run's own seed) on the same images and preprocessing. Both with every residual branch on
-    (model.zero_init_residual=false): SimCLR's own start, branches at zero (google-research/simclr), is at chance
-    here (through the stride-2 1x1 shortcuts a 16 px view reaches the features by one pixel), and 88 steps from it
-    reached 87.2% k-NN, under the 91.9% of the random ResNet with its branches on."""
+    """Two short epochs of SimCLR (44 steps), evaluated by the k-NN command, against the same encoder at its random
+    initialisation (the run's own seed) on the same images and preprocessing. What it checks, that training improves
+    the encoder the run exports, does not depend on the backbone: the small ResNet of the engine tests
+    (tests/engine_helpers.py), on the AVX2-only EPYC 91.1% against 75.8% random, in 20 s. ResNet-18 took 4 epochs
+    and 115 s there to pass its random features (91.9%), and 88 steps from SimCLR's own start, branches at zero
+    (google-research/simclr), reached only 87.2%: both encoders here start with every residual branch on
+    (model.zero_init_residual=false)."""
     from eval.features import extract_features
     from eval.knn import weighted_knn
     from pretrain.data.loader import build_image_loader
     from pretrain.methods import build_method
 
     run_dir = tmp_path / "run"
-    run(pretrain_command(run_dir, digits, "optim.epochs=4", "data.batch_size=64", "engine.image_grid_every_steps=0",
-                         "model.zero_init_residual=false", tiny=False))
+    run(pretrain_command(run_dir, digits, "optim.epochs=2", "data.batch_size=64", "engine.image_grid_every_steps=0",
+                         "model.zero_init_residual=false", *SMALL_RESNET, tiny=False))
     knn = run([sys.executable, "-m", "eval", "knn", "--run", str(run_dir), "--ks", "20"])
     assert "top-1" in knn.stdout
     pretrained = json.loads(next((run_dir / "eval").glob("knn_step*.json")).read_text())["top1"]["20"]
@@ -174,8 +176,8 @@ def test_pretraining_beats_the_random_init_encoder_on_the_same_data(digits, tmp_
                                     std=cfg.data.std, num_workers=1, crop_fraction=cfg.data.eval_crop_fraction)
         features[split] = extract_features(random_init, loader, "cpu")
     baseline = weighted_knn(*features["train"], *features["val"], ks=(20,))[20]
-    assert baseline > 0.85                           # a random ResNet already separates digits well
-    assert pretrained > baseline + 0.01, (pretrained, baseline)
+    assert baseline > 0.5                            # far above chance (10%): the random encoder is not broken
+    assert pretrained > baseline + 0.05, (pretrained, baseline)
 
 
 @pytest.mark.slow

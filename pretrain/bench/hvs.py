@@ -53,6 +53,7 @@ def run_hvs_benchmark(args: argparse.Namespace) -> dict:
         common = [f"data.batch_size={args.batch_size}", f"data.views.0.size={args.size}"]
         if method == "simsiam":
             common += ["model.proj_out_dim=512", "model.pred_hidden_dim=128"]
+        common += args.override
         variants = [("N=2, no selection", ["hvs.enabled=false"]),
                     ("N=4, HVS", ["hvs.enabled=true", "hvs.num_views=[4]"]),
                     (f"N=4, HVS, selection at {args.size // 2} px",
@@ -68,7 +69,8 @@ def run_hvs_benchmark(args: argparse.Namespace) -> dict:
     print(f"{'method':<9}{'variant':<34}{'step (s)':>10}{'x N=2':>8}")
     for row in rows:
         print(f"{row['method']:<9}{row['variant']:<34}{row['step_s']:>10.3f}{row['ratio']:>8.2f}")
-    result = {"configs": args.configs, "batch_size": args.batch_size, "size": args.size, "rows": rows}
+    result = {"configs": args.configs, "overrides": args.override, "batch_size": args.batch_size, "size": args.size,
+              "rows": rows}
     return result
 
 
@@ -83,5 +85,7 @@ def add_hvs_command(commands) -> None:
     parser.add_argument("--size", type=int, default=16, help="view side in pixels")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (allocator, oneDNN warm-up)")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every config and variant, e.g. model.arch=resnet50")
     parser.add_argument("--out", default="bench/hvs.json", help="where the JSON result goes")
     parser.set_defaults(run=run_hvs_benchmark)
