@@ -26,7 +26,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scipy.stats import t as student_t
+
+def student_t():
+    """scipy's Student t distribution, imported when a statistic is computed: scipy.stats takes 1.2-1.7 s to import
+    on a slow CPU, and every `python -m launch` and `python -m eval` process imports this module for its tables."""
+    from scipy.stats import t
+
+    return t
+
 
 CONFIDENCE = 0.95
 
@@ -59,7 +66,7 @@ class PairedDifference:
 def t_interval(mean: float, std: float, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
     """mean -+ t_{(1 + confidence) / 2, n - 1} std / sqrt(n): the t interval of a mean of n values of sample std
     `std`."""
-    half = student_t.ppf((1 + confidence) / 2, n - 1) * std / math.sqrt(n)
+    half = student_t().ppf((1 + confidence) / 2, n - 1) * std / math.sqrt(n)
     return (mean - half, mean + half)
 
 
@@ -108,7 +115,7 @@ def paired_difference(row: Mapping[int, float], baseline: Mapping[int, float],
         return PairedDifference(mean, (mean, mean), None, n, seeds,
                                 f"the {n} differences are all {mean:g}: no spread, so no t-test and no interval")
     statistic = mean / (std / math.sqrt(n))
-    p_value = float(2 * student_t.sf(abs(statistic), n - 1))
+    p_value = float(2 * student_t().sf(abs(statistic), n - 1))
     return PairedDifference(mean, t_interval(mean, std, n, confidence), p_value, n, seeds)
 
 
