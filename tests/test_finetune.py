@@ -8,6 +8,7 @@ import json
 import math
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,11 @@ CONFIG = ROOT / "configs/transfer/finetune_digits.yaml"
 EXPORT_STEP = 42
 
 
-def write_export(run_dir: Path, digits: Path, seed: int = 1) -> Path:
-    """RUN_DIR/backbone.pth as `export_backbone` writes it: {arch, stem, state_dict, config, epoch, step}."""
+def write_export(run_dir: Path, digits: Path, seed: int = 1, overrides: Sequence[str] = ()) -> Path:
+    """RUN_DIR/backbone.pth as `export_backbone` writes it: {arch, stem, state_dict, config, epoch, step}, of
+    simclr_digits.yaml with `overrides` (e.g. the small ResNet of tests/engine_helpers.py)."""
     cfg = load_config(ROOT / "configs/pretrain/simclr_digits.yaml",
-                      [f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}"])
+                      [f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}", *overrides])
     torch.manual_seed(seed)
     backbone = create_backbone(cfg.model.arch, cfg.model.stem, cfg.data.views[0].size, cfg.model.zero_init_residual)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -372,15 +372,16 @@ def test_a_two_task_job_fine_tunes_on_both_tasks_after_rank_0_evaluated_alone(di
     """A job of two tasks (a pipeline's final job): the k-NN of the export on rank 0 alone, then fine-tuning on both.
     Rank 0 used to keep the single-process step's environment (WORLD_SIZE=1, its port) and fine-tune as a world of
     one while rank 1 waited at the job's rendezvous; the other task now waits for rank 0's step, and the job's
-    environment is put back."""
+    environment is put back. The small ResNet of the engine tests: the job's tasks are the test, not the network."""
     from launch.cluster import submit
     from launch.jobs import Step
+    from tests.engine_helpers import SMALL_RESNET
     from tests.test_finetune import write_export
 
     recipe = tmp_path / "finetune.yaml"
     recipe.write_text((ROOT / "configs/transfer/finetune_digits.yaml").read_text().replace("epochs: 20", "epochs: 1"))
     run_dir = tmp_path / "run"
-    write_export(run_dir, digits)
+    write_export(run_dir, digits, overrides=SMALL_RESNET)
     two_tasks = cluster_options(options(cluster="local", tasks_per_node=2, cpus_per_task=1))
     job = submit(two_tasks, run_dir, "final-eval", [
         Step("eval", ["knn", "--run", str(run_dir), "--ks", "20"], distributed=False),
