@@ -447,9 +447,10 @@ def contention(case, args, data: Path) -> list[dict]:
 
 def print_tables(result: dict) -> None:
     overrides = f"; every table with {' '.join(result['overrides'])}" if result["overrides"] else ""
-    print(f"\nthe pretraining step against a plain PyTorch loop of the same model ({machine_heading(result['machine'])}; "
-          f"a run's images/s: the median of {result['steps']} steps after {result['warmup']}; {result['rounds']} "
-          f"alternating rounds, each side in a process of its own; plain / project per round{overrides})")
+    print(f"\nthe pretraining step against a plain PyTorch loop of the same model "
+          f"({machine_heading(result['machine'])}; a run's images/s: the median of {result['steps']} steps after "
+          f"{result['warmup']}; {result['rounds']} alternating rounds, each side in a process of its own; plain / "
+          f"project per round{overrides})")
     print(f"{'case':<24}{'batch':>6}{'project images/s':>18}{'plain images/s':>16}{'plain / project':>17}"
           f"{'range':>14}{'rounds':>8}")
     print(f"{'':<30}{'(median)':>18}{'(median)':>16}{'(median)':>17}")
