@@ -7,8 +7,15 @@ cost is `bench loader`'s and the split's "data" row):
   stop-signal all-reduces, logging), timed between consecutive optimizer steps;
 - the plain loop, written here: the same method module (backbone, heads, loss; hard view selection by the same
   `select_hard_views`) and the same torch optimizer, `loss.backward(); optimizer.step()`, nothing else.
-Images/s is the median over the timed steps after a warm-up, the faster of two runs of each (project, plain, plain,
-project, each in a process of its own); the ratio plain / project is the project's overhead.
+Each case runs --rounds rounds (default 5); a round times the project and the plain loop, each in a process of its
+own, the order alternating from round to round (project then plain, plain then project, ...) so that a drift of the
+machine's speed falls on both sides alike. A side's images/s in a round is the median over its timed steps after the
+warm-up; the round's ratio plain / project (the project's overhead) is taken from that round's two runs. The table
+quotes, per case, the median and the range of the rounds' ratios and each side's median images/s; the JSON keeps every
+round. No best-of is taken anywhere: the rounds' spread is the measure's noise, and it is quoted beside the median.
+`--plain-variants` times the plain loop's variants the same way (one process per variant per round, the order
+reversed from round to round). The heading names the machine: the GPU, or the CPU's model, whether it has AVX-512,
+AVX-512 BF16 and AMX, and torch's instruction set; the cores and threads.
 On a machine with a CUDA GPU both run on the GPU (the project as `python -m pretrain` would: bf16 under
 `engine.precision=auto`, channels-last where `engine.channels_last` asks; the plain loop the same), each step ended
 by `torch.cuda.synchronize()` before its time is read.
@@ -28,11 +35,13 @@ import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile as profiler
 
+from pretrain.bench.precision import median_and_range
 from pretrain.data.views import ViewBatch
 from pretrain.hvs import select_hard_views
 from pretrain.runtime.argument_types import positive_int
@@ -245,6 +254,67 @@ def timed_in_a_process(case: dict, processes: int = 1, environ: dict | None = No
     return json.loads([line for line in finished.stdout.splitlines() if line.startswith("{")][-1])["seconds"]
 
 
+def alternating_rounds(sides: dict[str, dict], rounds: int, cfg, warmup: int, label: str) -> list[dict]:
+    """Each of `sides` (name -> a case for `timed_in_a_process`) timed once per round, each run in a process of its own,
+    the order reversed from one round to the next (A B, B A, A B, ...; with more sides A B C, C B A, ...): a drift
+    of the machine's speed over the rounds (another job starting or ending, the clock) then falls on every side alike,
+    where a fixed order would hand it to whichever side runs last. Per round, each side's images/s (the median over
+    its steps after the warm-up) and the order: [{NAME: images/s, ..., "order": [NAME, ...]}, ...]. A ratio
+    between sides is to be taken within a round, and the rounds quoted as median and range (`median_and_range`),
+    never as the best of them."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: at least one round is needed to time anything")
+    results = []
+    for round_ in range(rounds):
+        order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+        result: dict[str, Any] = {name: images_per_s(cfg, timed_in_a_process(sides[name]), warmup) for name in order}
+        result["order"] = order
+        results.append(result)
+        print(f"  {label:<24} round {round_ + 1}/{rounds}: "
+              + ", ".join(f"{name} {result[name]:.1f}" for name in order) + " images/s", flush=True)
+    return results
+
+
+def project_against_plain(name: str, cfg, common: dict, rounds: int, warmup: int) -> dict:
+    """One case's row of the table: the project and the plain loop in `rounds` alternating rounds
+    (`alternating_rounds`), each round's ratio plain / project from its own two runs; each side's images/s and the
+    ratio as median and range over the rounds, and every round as measured."""
+    timed = alternating_rounds({"project": {**common, "plain": False}, "plain": {**common, "plain": True}},
+                               rounds, cfg, warmup, name)
+    per_round = [{"project": round(r["project"], 1), "plain": round(r["plain"], 1),
+                  "ratio": round(r["plain"] / r["project"], 3), "order": r["order"]} for r in timed]
+    return {"case": name, "batch": cfg.data.batch_size,
+            "project_images_per_s": median_and_range([r["project"] for r in timed]),
+            "plain_images_per_s": median_and_range([r["plain"] for r in timed]),
+            "plain_over_project": median_and_range([r["plain"] / r["project"] for r in timed]),
+            "rounds": per_round}
+
+
+def this_machine() -> dict:
+    """What a speed depends on besides the code: the machine as a run's provenance records it (CPU model, cores,
+    the cores this process may use, torch's threads, GPUs), and the CPU's instruction sets as torch sees them:
+    AVX-512 (avx512f), AVX-512 BF16 and AMX (bf16 in hardware), the capability ATen's kernels use (AVX2 or AVX512,
+    capped by ATEN_CPU_CAPABILITY), and whether bf16 runs natively here (pretrain/runtime/cpu_bf16.py)."""
+    from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native
+    from pretrain.runtime.provenance import machine_description
+
+    return {**machine_description(), "avx512f": torch.cpu._is_avx512_supported(),
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_bf16_is_native()}
+
+
+def machine_heading(machine: dict) -> str:
+    """`this_machine()` in one line: the GPU (where the cases run on it) or the CPU and its instruction sets, then the
+    cores and threads, e.g. 'AMD EPYC (avx512f: no, avx512_bf16: no, amx: no; torch: AVX2), 2 cores, 2 threads'."""
+    def has(flag: str) -> str:
+        return "yes" if machine[flag] else "no"
+
+    cpu = (f"{machine['cpu'] or 'an unnamed CPU'} (avx512f: {has('avx512f')}, avx512_bf16: {has('avx512_bf16')}, "
+           f"amx: {has('amx')}; torch: {machine['torch_cpu_capability']})")
+    where = f"{machine['gpus'][0]}, on {cpu}" if machine["gpus"] else cpu
+    return f"{where}, {machine['cpu_count']} cores, {machine['torch_threads']} threads"
+
+
 def busy_processes(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
@@ -259,24 +329,16 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
                        check=True)
     steps = args.warmup + args.steps
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"{device}, {os.cpu_count()} cores, 1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    machine = this_machine()
+    print(f"{machine_heading(machine)}, 1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for name, config, overrides in selected_cases(args):
         cfg = load_config(config, overrides)
         common = {"config": config, "overrides": overrides, "steps": steps, "data": str(data)}
-        # Project, plain, plain, project, each in a process of its own; the faster of each pair's medians (the run
-        # least disturbed by anything else on the machine): one run's ratio is then steady to a few percent.
-        project, plain = 0.0, 0.0
-        for kind in ("project", "plain", "plain", "project"):
-            rate = images_per_s(cfg, timed_in_a_process({**common, "plain": kind == "plain"}), args.warmup)
-            project, plain = (max(project, rate), plain) if kind == "project" else (project, max(plain, rate))
-        rows.append({"case": name, "batch": cfg.data.batch_size, "project_images_per_s": round(project, 1),
-                     "plain_images_per_s": round(plain, 1), "overhead": round(plain / project, 3)})
-        print(f"  {name:<24} batch {cfg.data.batch_size:>4}: project {project:8.1f} images/s, plain loop "
-              f"{plain:8.1f}, overhead {plain / project:.3f}x", flush=True)
-    result = {"command": "train", "device": device, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "overrides": args.override, "rows": rows, "warmup": args.warmup,
-              "steps": args.steps}
+        rows.append(project_against_plain(name, cfg, common, args.rounds, args.warmup))
+    result = {"command": "train", "device": device, "machine": machine, "cores": os.cpu_count(),
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "overrides": args.override,
+              "rows": rows, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds}
     if args.plain_variants:
         result["plain_variants"] = plain_variants(args, data)
     if args.split_case != "none":
@@ -290,8 +352,10 @@ def run_train_benchmark(args: argparse.Namespace) -> dict:
 
 
 def plain_variants(args, data: Path) -> list[dict]:
-    """The plain loop of each selected case as it is and with each variant (PLAIN_VARIANTS), the faster of two runs:
-    what channels-last, torch.compile or bf16 autocast would buy before anything is built for them."""
+    """The plain loop of each selected case as it is and with each variant (PLAIN_VARIANTS), in --rounds
+    alternating rounds (`alternating_rounds`): what channels-last, torch.compile or bf16 autocast would buy before
+    anything is built for them. Per case and variant, images/s and the ratio variant / as it is within each round,
+    as median and range over the rounds."""
     # heavy: omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.config import load_config
 
@@ -300,11 +364,13 @@ def plain_variants(args, data: Path) -> list[dict]:
         cfg = load_config(config, overrides)
         common = {"config": config, "overrides": overrides, "steps": args.warmup + args.steps, "data": str(data),
                   "plain": True}
-        for variant in (None, *args.plain_variants):
-            rate = max(images_per_s(cfg, timed_in_a_process({**common, "variant": variant}), args.warmup)
-                       for _ in range(2))
-            rows.append({"case": name, "variant": variant or "as it is", "plain_images_per_s": round(rate, 1)})
-            print(f"  plain loop {name:<24}{variant or 'as it is':<16}{rate:8.1f} images/s", flush=True)
+        sides = {variant or "as it is": {**common, "variant": variant} for variant in (None, *args.plain_variants)}
+        timed = alternating_rounds(sides, args.rounds, cfg, args.warmup, f"plain loop {name}")
+        for variant in sides:
+            rows.append({"case": name, "variant": variant,
+                         "plain_images_per_s": median_and_range([r[variant] for r in timed]),
+                         "over_as_it_is": median_and_range([r[variant] / r["as it is"] for r in timed]),
+                         "rounds": [round(r[variant], 1) for r in timed]})
     return rows
 
 
@@ -381,16 +447,25 @@ def contention(case, args, data: Path) -> list[dict]:
 
 def print_tables(result: dict) -> None:
     overrides = f"; every table with {' '.join(result['overrides'])}" if result["overrides"] else ""
-    print(f"\nthe pretraining step against a plain PyTorch loop of the same model ({result['device']}, "
-          f"{result['cores']} cores, median of {result['steps']} steps after {result['warmup']}{overrides})")
-    print(f"{'case':<24}{'batch':>6}{'project':>10}{'plain':>10}{'plain / project':>17}")
+    print(f"\nthe pretraining step against a plain PyTorch loop of the same model "
+          f"({machine_heading(result['machine'])}; a run's images/s: the median of {result['steps']} steps after "
+          f"{result['warmup']}; {result['rounds']} alternating rounds, each side in a process of its own; plain / "
+          f"project per round{overrides})")
+    print(f"{'case':<24}{'batch':>6}{'project images/s':>18}{'plain images/s':>16}{'plain / project':>17}"
+          f"{'range':>14}{'rounds':>8}")
+    print(f"{'':<30}{'(median)':>18}{'(median)':>16}{'(median)':>17}")
     for row in result["rows"]:
-        print(f"{row['case']:<24}{row['batch']:>6}{row['project_images_per_s']:>10.1f}"
-              f"{row['plain_images_per_s']:>10.1f}{row['overhead']:>17.3f}")
+        ratio = row["plain_over_project"]
+        print(f"{row['case']:<24}{row['batch']:>6}{row['project_images_per_s']['median']:>18.1f}"
+              f"{row['plain_images_per_s']['median']:>16.1f}{ratio['median']:>17.3f}"
+              f"{ratio['min']:>8.3f}-{ratio['max']:.3f}{len(row['rounds']):>8}")
     if "plain_variants" in result:
-        print("\nthe plain loop with a variant (images/s, the faster of two runs)")
+        print(f"\nthe plain loop with a variant: images/s and variant / as it is per round, median (range) over "
+              f"{result['rounds']} alternating rounds")
         for row in result["plain_variants"]:
-            print(f"  {row['case']:<24}{row['variant']:<16}{row['plain_images_per_s']:8.1f}")
+            rate, gain = row["plain_images_per_s"], row["over_as_it_is"]
+            print(f"  {row['case']:<24}{row['variant']:<16}{rate['median']:8.1f} ({rate['min']:.1f}-{rate['max']:.1f})"
+                  f"  {gain['median']:.3f}x ({gain['min']:.3f}-{gain['max']:.3f})")
     if "split" not in result:
         return
     split = result["split"]
@@ -413,6 +488,9 @@ def add_train_command(commands) -> None:
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per run (default: 20)")
     parser.add_argument("--warmup", type=positive_int, default=5, help="untimed steps first (default: 5)")
+    parser.add_argument("--rounds", type=positive_int, default=5,
+                        help="rounds per case, each timing the project and the plain loop in processes of their own, "
+                             "the order alternating; the table quotes the rounds' median and range (default: 5)")
     parser.add_argument("--imagenet", action="store_true",
                         help="also SimCLR ResNet-50 at 224 px, batch 8 (about a minute more per variant)")
     parser.add_argument("--only", nargs="+", metavar="WORD", help="only the cases whose name holds one of these")
