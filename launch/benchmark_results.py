@@ -290,8 +290,8 @@ def markdown(entries: list[dict], made_by: str, comparisons: list[dict] = (),
              f"below {FLAGGED_BELOW:.0%} flagged. Load: the 1-minute load average while the row trained; a run alone "
              "shows about its own threads and loader workers, more says another process shared the cores. Commits: "
              "the code its runs trained at.", "",
-             "| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes trained | PFLOP trained | "
-             "schedule trained | steps | cores | threads | load (1 min), median / max | commits |",
+             "| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes trained | "
+             "PFLOP trained | schedule trained | steps | cores | threads | load (1 min), median / max | commits |",
              "|" + " --- |" * 15]
     for entry in entries:
         by_seed = [", ".join(f"{v:.2f}" for v in entry[m]["values"]) if entry[m] else "-" for m in ("knn", "linear")]

@@ -377,7 +377,7 @@ def test_every_shipped_benchmark_file_loads_with_its_references_and_at_least_6_m
 
 
 def test_every_row_of_a_long_benchmark_gets_a_colour_and_marker_of_its_own():
-    """The digits file has 11 curves: matplotlib's default cycle of 10 colours gave the 11th the first's."""
+    """The digits file had 11 curves (13 now): matplotlib's default cycle of 10 colours gave the 11th the first's."""
     from launch.benchmark_results import curve_styles
 
     labels = [f"row {i}" for i in range(25)]
