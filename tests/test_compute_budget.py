@@ -138,6 +138,11 @@ def test_a_budget_buys_whole_steps_and_one_that_buys_none_is_refused_with_the_le
         budgeted_steps(1e-7, step)
     assert str(refused.value) == ("optim.budget_pflop=1e-07 buys no optimizer step: one step counts 7,000,000,000 "
                                   "FLOPs (7e-06 PFLOP); set optim.budget_pflop to at least 7e-06")
+    odd = StepFlops(0, 5_760_352_256)
+    with pytest.raises(ConfigError) as refused:
+        budgeted_steps(1e-12, odd)
+    least = float(str(refused.value).rsplit(" ", 1)[1])
+    assert str(refused.value).endswith("at least 5.76036e-06") and budgeted_steps(least, odd) == 1   # rounded up
     with pytest.raises(ConfigError, match="counts 0 FLOPs"):
         budgeted_steps(1.0, StepFlops(0, 0))
 

@@ -135,9 +135,11 @@ def budgeted_steps(budget_pflop: float, step: StepFlops) -> int:
                           "optim.epochs")
     steps = math.floor(budget_pflop * PFLOP / step.total * (1 + 1e-12))
     if steps < 1:
+        unit = 10 ** max(len(str(step.total)) - 6, 0)          # the count rounded up to 6 significant digits
+        least = -(-step.total // unit) * unit / PFLOP
         raise ConfigError(f"optim.budget_pflop={budget_pflop:g} buys no optimizer step: one step counts "
                           f"{step.total:,} FLOPs ({step.total / PFLOP:.6g} PFLOP); set optim.budget_pflop to at least "
-                          f"{step.total / PFLOP:.6g}")
+                          f"{least:g}")
     return steps
 
 
