@@ -196,7 +196,7 @@ def summarise(row: Row, results: list) -> list[dict]:
                "linear": spread([p["linear"] for p in finals]),
                "minutes": round(float(np.mean([p["minutes"] for p in finals])), 2),
                "steps": [p["step"] for p in finals],
-               "pflop": round(float(np.mean(counted)), 6) if len(counted) == len(results) else None,
+               "pflop": float(f"{np.mean(counted):.6g}") if len(counted) == len(results) else None,
                "schedule_share": [round(run.schedule["steps"] / run.schedule["schedule_steps"], 4) if run.schedule
                                   else None for run in results],
                "flags": [flag for run in results for flag in schedule_flags(row, run)],

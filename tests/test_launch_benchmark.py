@@ -351,22 +351,22 @@ def test_a_run_cut_before_95_percent_of_its_schedule_or_ending_it_before_its_min
     runs = [Run(0, "a", points(10.0, 20.01), machine, {"schedule_steps": 200, "steps": 162, "pflop": None}),
             Run(1, "b", points(10.0, 17.5), machine, {"schedule_steps": 200, "steps": 200, "pflop": None}),
             Run(2, "c", points(10.0, 20.02), machine, {"schedule_steps": 200, "steps": 192, "pflop": None})]
-    compute = Row(name="p", label="SimCLR, 2 PFLOP", kind="pretrain", config="c", seeds=(0,), pflop=2.0, marks=2)
-    counted = [Run(0, "d", points(9.0, 18.0), machine, {"schedule_steps": 200, "steps": 200, "pflop": 1.9999})]
+    compute = Row(name="p", label="SimCLR, 2e-5 PFLOP", kind="pretrain", config="c", seeds=(0,), pflop=2e-5, marks=2)
+    counted = [Run(0, "d", points(9.0, 18.0), machine, {"schedule_steps": 200, "steps": 200, "pflop": 1.9999e-5})]
     for row, row_runs in ((minutes, runs), (compute, counted)):
         for run in row_runs:
             mark_keys(row, run.points)
     entries = summarise(minutes, runs) + summarise(compute, counted)
-    assert entries[0]["schedule_share"] == [0.81, 1.0, 0.96] and entries[1]["pflop"] == 1.9999
+    assert entries[0]["schedule_share"] == [0.81, 1.0, 0.96] and entries[1]["pflop"] == 1.9999e-5
     table = markdown(entries, "made by test").splitlines()
     assert table[4].startswith("| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes "
                                "trained | PFLOP trained | schedule trained | steps |")
     assert table[6].split(" | ")[7:11] == ["19.18", "", "81% (cut), 100%, 96%", "20, 20, 20"]
-    assert table[7].split(" | ")[7:10] == ["18.00", "2", "100%"]
+    assert table[7].split(" | ")[7:10] == ["18.00", "2e-05", "100%"]
     flagged = table.index("- SimCLR, 20 min: seed 0: cut at 81% of its schedule (162 of 200 steps); seed 1: its "
                           "schedule ended after 17.50 of the budget's 20 minutes")
     assert table[flagged - 2].startswith("Flagged: runs whose schedule was cut before 95% of its steps")
-    assert not any(line.startswith("- SimCLR, 2 PFLOP") for line in table)
+    assert not any(line.startswith("- SimCLR, 2e-5 PFLOP") for line in table)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/benchmarks").glob("*.yaml")), ids=lambda p: p.name)
