@@ -1,5 +1,6 @@
 """`python -m launch benchmark FILE --out-dir DIR`: a results table (Markdown and JSON) and its plot of accuracy against
-minutes of training, made by one command from a benchmark file; every (row, seed) is a `launch` job.
+minutes of training, made by one command from a benchmark file; every (row, seed) is a `launch` job. A row's budget
+is minutes of training, optimizer steps or counted compute (PFLOP).
 
 A benchmark file (YAML, configs/benchmarks/*.yaml) lists the rows of the table:
 
@@ -14,8 +15,14 @@ A benchmark file (YAML, configs/benchmarks/*.yaml) lists the rows of the table:
         config: configs/pretrain/simclr_digits.yaml
         overrides: [hvs.enabled=true, optim.epochs=12]
         seeds: [0, 1, 2]
-        minutes: 1.5               # of training (engine.max_minutes), or steps: N (engine.max_steps)
+        minutes: 1.5               # one budget: minutes of training (engine.max_minutes), or steps: N
+                                   # (engine.max_steps), or pflop: X (optim.budget_pflop, counted compute)
         marks: 6                   # evaluations along the run, evenly spaced (at least 6)
+      - name: simclr_hvs_compute   # the same at equal counted compute: its schedule spans the steps X PFLOP buy
+        config: configs/pretrain/simclr_digits.yaml
+        overrides: [hvs.enabled=true]
+        pflop: 0.009
+        marks: 6
       - name: cross_entropy        # the config's network trained with cross-entropy on every label, from random init
         config: configs/pretrain/simclr_digits.yaml      # the network and the data (overrides: of this config)
         supervised: configs/transfer/finetune_digits.yaml
@@ -30,8 +37,10 @@ Each (row, seed) is one job (`--cluster local` or Slurm, `--parallel K` at once;
 DIR/rows/NAME_seedS:
 - a pretraining row: `python -m pretrain --config CONFIG engine.max_minutes=M engine.checkpoint_every_minutes=M/marks
   engine.checkpoint_every_steps=0 OVERRIDES seed=S` (a step budget: engine.max_steps=N
-  engine.checkpoint_every_steps=N/marks), whose checkpoints are the marks and the last step, each with its export;
-  then `python -m eval watch --run RUN --protocols knn,linear`: every export scored by k-NN (k = 20) and the
+  engine.checkpoint_every_steps=N/marks; a compute budget: optim.budget_pflop=X engine.checkpoints_per_run=marks
+  engine.checkpoint_every_steps=0, the run counting one step's FLOPs at its start and every schedule spanning the
+  steps X buys, pretrain/runtime/compute_budget.py), whose checkpoints are the marks and the last step, each with its
+  export; then `python -m eval watch --run RUN --protocols knn,linear`: every export scored by k-NN (k = 20) and the
   linear probe, the existing evaluation;
 - a supervised row: one pretraining step of CONFIG, whose export tells `python -m transfer finetune --from random`
   the network and the data (its weights are discarded), then the fine-tuning itself with the budget, scored on
@@ -44,13 +53,18 @@ clock in the checkpoint, so a resumed row trains the rest of its minutes. DIR/be
 a row of the same name with other settings is refused once one of its runs has started (they would mean something
 else).
 
-Written to DIR: table.md (also printed; the finals, the paired differences, then each row's curve a column per
-mark), table.json (every run's points, the rows' curves and finals, the machine state, the commits, the paired
-differences) and curves.png (k-NN and linear against minutes of training, one line per row: the mean over seeds, the
-band one standard deviation; the references as horizontal lines). A row's finals are the mean ± std over its seeds
+Written to DIR: table.md (also printed; the finals, the flagged runs, the paired differences, then each row's curve a
+column per mark), table.json (every run's points, the rows' curves and finals, the machine state, the share of its
+schedule each run trained, the PFLOP counted, the flags, the commits, the paired differences) and curves.png (k-NN
+and linear against minutes of training, one line per row: the mean over seeds, the band one standard deviation; the
+references as horizontal lines). A row's finals are the mean ± std over its seeds
 and the 95% t interval of the mean (eval/statistics.py). The machine's state of each row is read from its runs'
 metrics.jsonl (cores, torch threads, the 1-minute load average at every logged step): a load above the cores says
-another process shared the machine, and the row's minutes bought less training. The table names the command and
+another process shared the machine, and the row's minutes bought less training. Each row shows the minutes its runs
+trained (measured) and, for a compute budget, the PFLOP they trained (counted), and each seed's share of its schedule
+(the steps it trained over RUN_DIR/schedule.json's): a run cut before 95% of its schedule (its lr not yet decayed), or,
+under a minutes budget, one whose schedule ended before 95% of the minutes, is flagged below the finals, its result
+not its recipe's at the budget (launch/benchmark_results.py: schedule_flags). The table names the command and
 the commit (git rev-parse HEAD) that made it, each row the commits its runs trained at (their provenance.json), and
 a line at its top says when the rows were trained by code that differs in its training files
 (eval/training_code.py; table.json's `mixed_code`).

@@ -19,8 +19,9 @@ from pretrain.config import load_config
 from transfer.finetune.config import load_finetune_config
 
 MIN_MARKS = 6                   # the issue's "enough points to see the shape"
-ROW_KEYS = ("name", "label", "config", "overrides", "seeds", "minutes", "steps", "marks", "supervised",
+ROW_KEYS = ("name", "label", "config", "overrides", "seeds", "minutes", "steps", "pflop", "marks", "supervised",
             "supervised_overrides")
+BUDGETS = ("minutes", "steps", "pflop")
 REFERENCE_KEYS = ("config", "overrides", "image_sizes", "seeds")
 FILE_KEYS = ("name", "references", "rows", "comparisons")
 
@@ -36,7 +37,8 @@ class Row:
     overrides: tuple[str, ...] = ()      # of the config
     seeds: tuple[int, ...] = (0,)
     minutes: float | None = None         # the budget: minutes of training, or
-    steps: int | None = None             # optimizer steps
+    steps: int | None = None             # optimizer steps, or
+    pflop: float | None = None           # counted compute (PFLOP), every schedule spanning the steps it buys
     marks: int = MIN_MARKS
     recipe: str | None = None            # a supervised row's fine-tuning recipe (resolved path)
     recipe_overrides: tuple[str, ...] = ()
@@ -50,13 +52,20 @@ class Row:
             return f"{self.minutes:g} min, {self.marks} marks"
         if self.steps is not None:
             return f"{self.steps} steps, {self.marks} marks"
+        if self.pflop is not None:
+            return f"{self.pflop:g} PFLOP, {self.marks} marks"
         return "-"
 
     def budget_overrides(self) -> list[str]:
-        """The training's engine keys for the budget: it stops there, and checkpoints (and exports) at each mark."""
+        """The training's keys for the budget: it stops there, and checkpoints (and exports) at each mark. A compute
+        budget's steps are known once the run has counted one (pretrain/runtime/compute_budget.py): its marks are
+        engine.checkpoints_per_run, spread over the steps it buys."""
         if self.minutes is not None:
             return [f"engine.max_minutes={self.minutes:g}",
                     f"engine.checkpoint_every_minutes={self.minutes / self.marks:.12g}", "engine.checkpoint_every_steps=0"]
+        if self.pflop is not None:
+            return [f"optim.budget_pflop={self.pflop!r}", f"engine.checkpoints_per_run={self.marks}",
+                    "engine.checkpoint_every_steps=0"]
         return [f"engine.max_steps={self.steps}", f"engine.checkpoint_every_steps={max(1, self.steps // self.marks)}"]
 
     def job_steps(self, seed: int, run_dir: Path) -> list[Step]:
@@ -137,20 +146,21 @@ def check_data(file: str, row: Row) -> None:
 
 def parse_row(where: str, entry) -> Row:
     if not isinstance(entry, dict):
-        raise LaunchError(f"{where} must be a mapping with name, config, seeds, minutes or steps, marks")
+        raise LaunchError(f"{where} must be a mapping with name, config, seeds, minutes, steps or pflop, marks")
     name = entry.get("name")
     if not isinstance(name, str) or not name or "/" in name or name.strip(".") == "" or name != name.strip():
         raise LaunchError(f"{where}: name {name!r} must be a folder name (letters, digits, '_', '-')")
     where = f"{where} ({name})"
     check_keys(where, entry, ROW_KEYS)
-    budgets = [key for key in ("minutes", "steps") if entry.get(key) is not None]
+    budgets = [key for key in BUDGETS if entry.get(key) is not None]
     if len(budgets) != 1:
-        raise LaunchError(f"{where}: give one budget, minutes: M (of training) or steps: N, not "
-                          f"{' and '.join(budgets) or 'none'}")
-    minutes, steps = entry.get("minutes"), entry.get("steps")
-    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
-                                or not 0 < minutes < math.inf):
-        raise LaunchError(f"{where}: minutes {minutes!r} must be a positive number (minutes of training)")
+        raise LaunchError(f"{where}: give one budget, minutes: M (of training), steps: N (optimizer steps) or "
+                          f"pflop: X (counted compute), not {' and '.join(budgets) or 'none'}")
+    minutes, steps, pflop = (entry.get(key) for key in BUDGETS)
+    for key, value, meaning in (("minutes", minutes, "minutes of training"), ("pflop", pflop, "counted PFLOP")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise LaunchError(f"{where}: {key} {value!r} must be a positive number ({meaning})")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise LaunchError(f"{where}: steps {steps!r} must be a positive integer (optimizer steps)")
     marks = entry.get("marks", MIN_MARKS)
@@ -161,7 +171,7 @@ def parse_row(where: str, entry) -> Row:
     overrides = string_list(where, "overrides", entry.get("overrides"))
     row = Row(name=name, label=str(entry.get("label") or name), kind="pretrain", config=config, overrides=overrides,
               seeds=seed_list(where, entry.get("seeds")), minutes=None if minutes is None else float(minutes),
-              steps=steps, marks=marks)
+              steps=steps, pflop=None if pflop is None else float(pflop), marks=marks)
     if entry.get("supervised") is not None:
         row = Row(**{**asdict(row), "kind": "supervised",
                      "recipe": existing_file(where, "supervised", entry["supervised"]),
@@ -280,15 +290,17 @@ def select_seeds(path: str, rows: list[Row], seeds: list[int]) -> list[Row]:
 def check_same_benchmark(out_dir: Path, rows: list[Row]) -> None:
     """A benchmark directory holds one benchmark's runs: a row found again under its name must have the settings it
     ran with (new rows and new seeds are welcome; a row none of whose runs has started yet may change, e.g. its
-    epochs sized anew); only then is DIR/benchmark.json written."""
+    epochs sized anew); only then is DIR/benchmark.json written. A setting the saved row lacks (written before the
+    setting existed, as `pflop`) counts as unset (None)."""
     saved_path = out_dir / "benchmark.json"
     saved = json.loads(saved_path.read_text())["rows"] if saved_path.is_file() else {}
     started = {entry.name for entry in (out_dir / "rows").iterdir()} if (out_dir / "rows").is_dir() else set()
     for row in rows:
         before = saved.get(row.name)
         has_runs = any(re.fullmatch(re.escape(row.name) + r"_seed\d+", name) for name in started)
-        if before is not None and has_runs and before != json.loads(json.dumps(row.settings())):
-            changed = [key for key in row.settings() if before.get(key) != json.loads(json.dumps(row.settings()[key]))]
+        settings = json.loads(json.dumps(row.settings()))
+        changed = [key for key in settings if before is not None and before.get(key) != settings[key]]
+        if has_runs and changed:
             raise LaunchError(f"{out_dir} holds row {row.name} with other settings ({', '.join(changed)}: "
                               f"{', '.join(repr(before.get(key)) for key in changed)} there): pass another --out-dir, "
                               "or give the row another name")

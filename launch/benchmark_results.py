@@ -1,9 +1,10 @@
 """What a benchmark measured: each (row, seed) read back from its run directory once complete (`read_run`: a
 pretraining run's k-NN and linear probe at every mark, a supervised run's classifier top-1 after every epoch, a
-reference's raw-pixel and random-init rows), the machine's state while it trained and the code that trained it
-(`row_code_states`), and the rows summarised into the table (Markdown and JSON: each row's mean, std and 95% t
-interval over its seeds, the paired differences the file asks for, eval/statistics.py) and the plot of accuracy
-against minutes of training."""
+reference's raw-pixel and random-init rows), the machine's state while it trained, the share of its schedule it
+trained and the compute it counted (`schedule_trained`), and the code that trained it (`row_code_states`), and the
+rows summarised into the table (Markdown and JSON: each row's mean, std and 95% t interval over its seeds, the paired
+differences the file asks for, eval/statistics.py; the runs whose schedule was cut or ended before the budget,
+flagged: `schedule_flags`) and the plot of accuracy against minutes of training."""
 from __future__ import annotations
 
 import json
@@ -18,19 +19,25 @@ from eval.statistics import paired_difference, summary_record, summary_text
 from eval.training_code import commits_cell, read_code_states, states_of
 from launch.benchmark_file import Row
 from launch.trials import read_lines
+from pretrain.runtime.compute_budget import PFLOP, read_schedule
 from pretrain.runtime.provenance import CodeState
 
 FINAL = 1 << 30                 # the key of a run's last point, whatever mark, step or epoch it fell on
+# A run that trained less of its schedule than this, or (minutes budget) ended it before this share of the minutes, is
+# flagged: its result is not its recipe's at the budget (an lr not yet decayed, or minutes not spent).
+FLAGGED_BELOW = 0.95
 
 
 @dataclass
 class Run:
-    """What one (row, seed) measured: its points (minutes of training, accuracy), its last one and its machine."""
+    """What one (row, seed) measured: its points (minutes of training, accuracy), its last one, its machine and how
+    much of its schedule it trained (`schedule_trained`)."""
 
     seed: int
     run_dir: str
     points: list[dict]                   # {key, step, minutes, knn, linear}, by minutes
     machine: dict = field(default_factory=dict)
+    schedule: dict = field(default_factory=dict)    # {schedule_steps, steps, pflop}; {}: not recorded
 
     @property
     def final(self) -> dict:
@@ -48,13 +55,41 @@ def machine_state(lines: list[dict]) -> dict:
             "load_max": round(float(max(loads)), 2) if loads else None}
 
 
+def schedule_trained(run_dir: Path, steps: int) -> dict:
+    """The schedule's steps (RUN_DIR/schedule.json, pretrain/runtime/compute_budget.py), the `steps` the run trained,
+    and the PFLOP they counted (None: a run without a compute budget counts none); {} for a run without the record
+    (trained before it was written)."""
+    record = read_schedule(run_dir)
+    if record is None:
+        return {}
+    flops = record.get("flops_per_step")
+    return {"schedule_steps": record["schedule_steps"], "steps": steps,
+            "pflop": None if flops is None else steps * flops["total"] / PFLOP}
+
+
+def schedule_flags(row: Row, run: Run) -> list[str]:
+    """Why a run's final is not its recipe's at the budget, one line each: its schedule cut before FLAGGED_BELOW of its
+    steps (a minutes budget or engine.max_steps stopped it with the lr not decayed), or, under a minutes budget, a
+    schedule that ended before FLAGGED_BELOW of the minutes (the budget not spent)."""
+    flags, schedule, minutes = [], run.schedule, run.final["minutes"]
+    if schedule and schedule["steps"] < FLAGGED_BELOW * schedule["schedule_steps"]:
+        flags.append(f"seed {run.seed}: cut at {100 * schedule['steps'] / schedule['schedule_steps']:.0f}% of its "
+                     f"schedule ({schedule['steps']} of {schedule['schedule_steps']} steps)")
+    if row.minutes is not None and minutes < FLAGGED_BELOW * row.minutes:
+        flags.append(f"seed {run.seed}: its schedule ended after {minutes:.2f} of the budget's {row.minutes:g} "
+                     "minutes")
+    return flags
+
+
 def mark_keys(row: Row, points: list[dict]) -> None:
     """Key every point but the last by the mark it stands for, so that the seeds' curves are averaged mark by mark:
     a minutes budget's mark i is the first point at or past i x minutes / marks (the loop checkpoints there), a
-    steps budget's its step, a supervised run's its epoch; the last point is FINAL. Others (a checkpoint a signal
-    added) keep no key: they are in the run's points, not in the row's curve."""
+    steps or compute budget's its step (a compute budget buys every seed the same steps), a supervised run's its
+    epoch; the last point is FINAL. Others (a checkpoint a signal added) keep no key: they are in the run's points,
+    not in the row's curve."""
+    by_step = row.steps is not None or row.pflop is not None
     for point in points[:-1]:
-        point["key"] = point.get("epoch") if row.kind == "supervised" else point["step"] if row.steps else None
+        point["key"] = point.get("epoch") if row.kind == "supervised" else point["step"] if by_step else None
     if row.kind == "pretrain" and row.minutes is not None:
         for mark in range(1, row.marks):
             first = next((p for p in points[:-1] if p["minutes"] >= mark * row.minutes / row.marks - 1e-9), None)
@@ -86,7 +121,7 @@ def read_pretraining(row: Row, seed: int, run_dir: Path) -> Run | None:
         points.append({"step": step, "minutes": float(np.interp(step, logged, seconds)) / 60, "knn": knn,
                        "linear": linear})
     mark_keys(row, points)
-    return Run(seed, str(run_dir), points, machine_state(lines))
+    return Run(seed, str(run_dir), points, machine_state(lines), schedule_trained(run_dir, steps[-1]))
 
 
 def read_supervised(row: Row, seed: int, run_dir: Path) -> Run | None:
@@ -102,7 +137,7 @@ def read_supervised(row: Row, seed: int, run_dir: Path) -> Run | None:
     if not points:
         return None
     mark_keys(row, points)
-    return Run(seed, str(run_dir), points, machine_state(lines))
+    return Run(seed, str(run_dir), points, machine_state(lines), schedule_trained(runs[0], lines[-1]["step"]))
 
 
 def read_reference(row: Row, seed: int, run_dir: Path) -> dict | None:
@@ -154,12 +189,17 @@ def summarise(row: Row, results: list) -> list[dict]:
                 for encoder, title in (("raw_pixels", "raw pixels"), ("random_init", "random init"))]
     finals = [run.final for run in results]
     machines = [run.machine for run in results]
+    counted = [run.schedule["pflop"] for run in results if run.schedule.get("pflop") is not None]
     summary = {"row": row.name, "label": row.label + (" (classifier top-1)" if row.kind == "supervised" else ""),
                "kind": row.kind, "budget": row.budget(), "seeds": list(row.seeds),
                "knn": spread([p["knn"] for p in finals]) if row.kind == "pretrain" else None,
                "linear": spread([p["linear"] for p in finals]),
                "minutes": round(float(np.mean([p["minutes"] for p in finals])), 2),
                "steps": [p["step"] for p in finals],
+               "pflop": float(f"{np.mean(counted):.6g}") if len(counted) == len(results) else None,
+               "schedule_share": [round(run.schedule["steps"] / run.schedule["schedule_steps"], 4) if run.schedule
+                                  else None for run in results],
+               "flags": [flag for run in results for flag in schedule_flags(row, run)],
                "cores": max((m["cores"] for m in machines if m["cores"]), default=None),
                "threads": max((m["threads"] for m in machines if m["threads"]), default=None),
                "load_median": max((m["load_median"] for m in machines if m["load_median"] is not None), default=None),
@@ -244,22 +284,47 @@ def markdown(entries: list[dict], made_by: str, comparisons: list[dict] = (),
     paired differences (`paired_differences`), then each row's curve mark by mark."""
     lines = [*(line for warning in code_warnings for line in (warning, "")), made_by, "",
              "k-NN: top-1 at k = 20; linear: the linear probe's top-1 (a supervised row: its classifier's); "
-             "mean ± std over the seeds and the 95% t interval of the mean, at the end of the budget. Load: the "
-             "1-minute load average while the row trained; a run alone shows about its own threads and loader "
-             "workers, more says another process shared the cores. Commits: the code its runs trained at.", "",
-             "| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes trained | steps | cores | "
-             "threads | load (1 min), median / max | commits |",
-             "|" + " --- |" * 13]
+             "mean ± std over the seeds and the 95% t interval of the mean, at the end of the budget. Minutes trained "
+             "(measured) and PFLOP trained (counted: a compute budget's runs; matrix products, convolutions and "
+             "attention), means over the seeds; schedule trained: each seed's steps over its schedule's, a share "
+             f"below {FLAGGED_BELOW:.0%} flagged. Load: the 1-minute load average while the row trained; a run alone "
+             "shows about its own threads and loader workers, more says another process shared the cores. Commits: "
+             "the code its runs trained at.", "",
+             "| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes trained | "
+             "PFLOP trained | schedule trained | steps | cores | threads | load (1 min), median / max | commits |",
+             "|" + " --- |" * 15]
     for entry in entries:
         by_seed = [", ".join(f"{v:.2f}" for v in entry[m]["values"]) if entry[m] else "-" for m in ("knn", "linear")]
         load = "" if entry.get("load_median") is None else f"{entry['load_median']:.2f} / {entry['load_max']:.2f}"
         minutes = "" if entry.get("minutes") is None else f"{entry['minutes']:.2f}"
         steps = ", ".join(str(s) for s in entry.get("steps", []))
+        pflop = "" if entry.get("pflop") is None else f"{entry['pflop']:.4g}"
         lines.append(f"| {entry['label']} | {entry['budget']} | {', '.join(map(str, entry['seeds']))} | "
                      f"{final_cell(entry['knn'])} | {final_cell(entry['linear'])} | {by_seed[0]} | {by_seed[1]} | "
-                     f"{minutes} | {steps} | {entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} | "
+                     f"{minutes} | {pflop} | {schedule_cell(entry.get('schedule_share'))} | {steps} | "
+                     f"{entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} | "
                      f"{commits_cell(states_of(entry))} |")
-    return "\n".join(lines + paired_section(list(comparisons)) + along_the_way(entries))
+    return "\n".join(lines + flagged_section(entries) + paired_section(list(comparisons)) + along_the_way(entries))
+
+
+def schedule_cell(shares: list[float | None] | None) -> str:
+    """Each seed's share of its schedule trained, "(cut)" after one below FLAGGED_BELOW ("?": not recorded)."""
+    if not shares:
+        return ""
+    return ", ".join("?" if share is None else f"{100 * share:.0f}%" + (" (cut)" if share < FLAGGED_BELOW else "")
+                     for share in shares)
+
+
+def flagged_section(entries: list[dict]) -> list[str]:
+    """Below the finals, every flagged run (`schedule_flags`), row by row: a result that is not its recipe's at the
+    budget, said where the result is read."""
+    flagged = [entry for entry in entries if entry.get("flags")]
+    if not flagged:
+        return []
+    return ["", f"Flagged: runs whose schedule was cut before {FLAGGED_BELOW:.0%} of its steps (the lr not yet "
+            f"decayed), or, under a minutes budget, ended before {FLAGGED_BELOW:.0%} of the minutes (the budget not "
+            "spent); their finals are not their recipe's at the budget.", "",
+            *(f"- {entry['label']}: {'; '.join(entry['flags'])}" for entry in flagged)]
 
 
 def along_the_way(entries: list[dict]) -> list[str]:

@@ -80,8 +80,8 @@ class Pretraining(ConfiguredStage):
                               f"images, {world_size} processes): lower data.batch_size or optim.grad_accum")
         return loader
 
-    def build_task(self, steps_per_epoch: int, device: torch.device) -> Method:
-        return build_method(self.cfg, steps_per_epoch)
+    def build_task(self, steps_per_epoch: int, schedule_steps: int, device: torch.device) -> Method:
+        return build_method(self.cfg, steps_per_epoch, schedule_steps)
 
     def record(self, task: Method, steps_per_epoch: int, rank: int) -> None:
         if rank == 0:

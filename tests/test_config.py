@@ -127,6 +127,11 @@ def test_every_shipped_finetune_config_loads(path):
     ("method.temperature=0", "method.temperature=0.0 must be positive (a temperature"),
     ("engine.max_minutes=-1", "engine.max_minutes=-1.0 must be a finite number >= 0 (minutes of training"),
     ("engine.checkpoint_every_minutes=nan", "engine.checkpoint_every_minutes=nan must be a finite number >= 0"),
+    ("optim.budget_pflop=-1", "optim.budget_pflop=-1.0 must be a finite number >= 0 (the compute budget in PFLOP"),
+    ("optim.budget_pflop=1e15flop", "invalid value for optim.budget_pflop: Value '1e15flop' of type 'str' could not "
+                                    "be converted to Float"),
+    ("optim.budget_flops=1", "unknown config key 'optim.budget_flops'; did you mean 'optim.budget_pflop'?"),
+    ("engine.checkpoints_per_run=-6", "engine.checkpoints_per_run=-6 must be a finite number >= 0"),
 ])
 def test_bad_values_are_one_line_naming_the_key(override, message):
     """Type errors used to print OmegaConf's four-line dump; std 0, a mean of the wrong length, a negative seed and

@@ -243,7 +243,7 @@ def test_c4_box_head_is_layer4_and_pooling_of_the_backbone():
 
 def test_lr_schedule_warms_up_linearly_then_follows_a_cosine():
     cfg = load_detection_config(None, ["optim.lr=0.1", "optim.epochs=2", "optim.warmup_epochs=0.6"])
-    lrs = schedules_from_config(cfg, steps_per_epoch=7, global_batch=8).lr    # 4 warm-up steps of 14
+    lrs = schedules_from_config(cfg, steps_per_epoch=7, schedule_steps=14, global_batch=8).lr   # 4 warm-up steps of 14
     assert np.allclose(lrs[:4], 0.1 * (0.001 + 0.999 * np.arange(4) / 4))
     assert np.allclose(lrs[4:], 0.05 * (1 + np.cos(np.pi * np.arange(10) / 10)))
 

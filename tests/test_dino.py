@@ -310,7 +310,7 @@ def test_last_layer_frozen_for_its_steps_then_trained():
 def test_schedules_of_teacher_momentum_and_temperature():
     cfg = tiny_config("optim.epochs=10", "method.momentum_teacher=0.99", "method.teacher_temp=0.07",
                       "method.warmup_teacher_temp=0.04", "method.warmup_teacher_temp_epochs=3")
-    method = build_method(cfg, steps_per_epoch=5)
+    method = build_method(cfg, steps_per_epoch=5, schedule_steps=50)      # 10 epochs of 5 steps
     momentum, temp = method.momentum_schedule, method.teacher_temp_schedule
     assert len(momentum) == len(temp) == 50
     assert momentum[0] == pytest.approx(0.99) and momentum[-1] == pytest.approx(1.0, abs=1e-5)

@@ -194,9 +194,14 @@ ROW = {"name": "simclr", "config": CONFIG, "minutes": 1, "marks": 6}
 
 @pytest.mark.parametrize("change, message", [
     ({"marks": 3}, "rows[0] (simclr): marks 3 must be an integer >= 6 (evaluations along the run"),
-    ({"steps": 100}, "rows[0] (simclr): give one budget, minutes: M (of training) or steps: N, not minutes and steps"),
-    ({"minutes": None}, "give one budget, minutes: M (of training) or steps: N, not none"),
+    ({"steps": 100}, "rows[0] (simclr): give one budget, minutes: M (of training), steps: N (optimizer steps) or "
+                     "pflop: X (counted compute), not minutes and steps"),
+    ({"pflop": 0.5}, "not minutes and pflop"),
+    ({"minutes": None}, "give one budget, minutes: M (of training), steps: N (optimizer steps) or pflop: X (counted "
+                        "compute), not none"),
     ({"minutes": -1}, "rows[0] (simclr): minutes -1 must be a positive number"),
+    ({"minutes": None, "pflop": "2 PFLOP"}, "rows[0] (simclr): pflop '2 PFLOP' must be a positive number (counted "
+                                           "PFLOP)"),
     ({"minutes": None, "steps": 4}, "marks 6 must be an integer >= 6 (evaluations along the run: the curve's points) "
                                     "and at most steps (4)"),
     ({"mark": 6}, "rows[0] (simclr): unknown key 'mark'; did you mean 'marks'?"),
@@ -306,6 +311,62 @@ def test_a_row_found_again_with_other_settings_is_refused_and_new_seeds_are_welc
     (tmp_path / "rows" / "simclr_seed1").mkdir()
     with pytest.raises(LaunchError, match=r"holds row simclr with other settings \(minutes: 1.5 there\)"):
         check_same_benchmark(tmp_path, [Row(**{**row.__dict__, "minutes": 2.0})])
+    saved = json.loads((tmp_path / "benchmark.json").read_text())             # a row saved before `pflop` existed
+    del saved["rows"]["simclr"]["pflop"]
+    (tmp_path / "benchmark.json").write_text(json.dumps(saved))
+    check_same_benchmark(tmp_path, [Row(**{**row.__dict__, "minutes": 1.5})])
+
+
+def test_a_compute_budget_row_trains_the_steps_its_pflop_buy_checkpointed_at_its_marks(tmp_path):
+    """pflop: X, the third budget: the run's schedules span the steps X PFLOP buy (optim.budget_pflop), its marks are
+    engine.checkpoints_per_run spread over them, keyed by step as a steps budget's (every seed buys the same steps)."""
+    file = write_benchmark(tmp_path / "compute.yaml", [{"name": "simclr", "config": CONFIG, "pflop": 2.5, "marks": 6},
+                                                       {**ROW, "name": "supervised", "minutes": None, "pflop": 1,
+                                                        "supervised": RECIPE}])
+    row, supervised = load_benchmark(str(file)).rows
+    assert (row.pflop, row.minutes, row.steps, row.budget()) == (2.5, None, None, "2.5 PFLOP, 6 marks")
+    assert row.budget_overrides() == ["optim.budget_pflop=2.5", "engine.checkpoints_per_run=6",
+                                      "engine.checkpoint_every_steps=0"]
+    assert "optim.budget_pflop=1.0" in supervised.job_steps(0, tmp_path / "run")[1].argv
+    stepped = points(0.1, 0.2, 0.3)
+    mark_keys(row, stepped)
+    assert [p["key"] for p in stepped] == [10, 20, FINAL]
+
+
+def test_a_run_cut_before_95_percent_of_its_schedule_or_ending_it_before_its_minutes_is_flagged_in_the_table(tmp_path):
+    """The Fashion-MNIST selection study's minutes budgets cut SimCLR's cosine at 81%, 88% and 73% of its steps, and
+    the table did not say so: each run's share of its schedule (RUN_DIR/schedule.json: the schedule's steps; the steps
+    it trained) is a column, a share below 95% is marked and its run listed under the finals, as is a run whose
+    schedule ended before 95% of its minutes. A compute budget's runs show the PFLOP they trained."""
+    from launch.benchmark_results import schedule_trained
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "schedule.json").write_text(json.dumps({"schedule_steps": 200, "steps_per_epoch": 50, "last_step": 200,
+                                                       "budget_pflop": 0.0, "flops_per_step": None}))
+    assert schedule_trained(run_dir, 162) == {"schedule_steps": 200, "steps": 162, "pflop": None}
+    assert schedule_trained(tmp_path, 162) == {}                            # a run from before the record
+    machine = {"cores": 2, "threads": 2, "load_median": 1.8, "load_max": 2.1}
+    minutes = Row(name="m", label="SimCLR, 20 min", kind="pretrain", config="c", seeds=(0, 1, 2), minutes=20.0, marks=2)
+    runs = [Run(0, "a", points(10.0, 20.01), machine, {"schedule_steps": 200, "steps": 162, "pflop": None}),
+            Run(1, "b", points(10.0, 17.5), machine, {"schedule_steps": 200, "steps": 200, "pflop": None}),
+            Run(2, "c", points(10.0, 20.02), machine, {"schedule_steps": 200, "steps": 192, "pflop": None})]
+    compute = Row(name="p", label="SimCLR, 2e-5 PFLOP", kind="pretrain", config="c", seeds=(0,), pflop=2e-5, marks=2)
+    counted = [Run(0, "d", points(9.0, 18.0), machine, {"schedule_steps": 200, "steps": 200, "pflop": 1.9999e-5})]
+    for row, row_runs in ((minutes, runs), (compute, counted)):
+        for run in row_runs:
+            mark_keys(row, run.points)
+    entries = summarise(minutes, runs) + summarise(compute, counted)
+    assert entries[0]["schedule_share"] == [0.81, 1.0, 0.96] and entries[1]["pflop"] == 1.9999e-5
+    table = markdown(entries, "made by test").splitlines()
+    assert table[4].startswith("| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes "
+                               "trained | PFLOP trained | schedule trained | steps |")
+    assert table[6].split(" | ")[7:11] == ["19.18", "", "81% (cut), 100%, 96%", "20, 20, 20"]
+    assert table[7].split(" | ")[7:10] == ["18.00", "2e-05", "100%"]
+    flagged = table.index("- SimCLR, 20 min: seed 0: cut at 81% of its schedule (162 of 200 steps); seed 1: its "
+                          "schedule ended after 17.50 of the budget's 20 minutes")
+    assert table[flagged - 2].startswith("Flagged: runs whose schedule was cut before 95% of its steps")
+    assert not any(line.startswith("- SimCLR, 2e-5 PFLOP") for line in table)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/benchmarks").glob("*.yaml")), ids=lambda p: p.name)
@@ -316,7 +377,7 @@ def test_every_shipped_benchmark_file_loads_with_its_references_and_at_least_6_m
 
 
 def test_every_row_of_a_long_benchmark_gets_a_colour_and_marker_of_its_own():
-    """The digits file has 11 curves: matplotlib's default cycle of 10 colours gave the 11th the first's."""
+    """The digits file had 11 curves (13 now): matplotlib's default cycle of 10 colours gave the 11th the first's."""
     from launch.benchmark_results import curve_styles
 
     labels = [f"row {i}" for i in range(25)]

@@ -48,12 +48,13 @@ def test_schedules_from_config_step_and_cosine():
     cfg = load_config("configs/pretrain/smoco_digits.yaml",
                       ["optim.lr_schedule=step", "optim.lr_milestones=[0.5, 0.75]", "optim.lr_step_factor=0.2",
                        "optim.warmup_epochs=0", "optim.epochs=4", "optim.lr_scaling=none", "optim.lr=0.01"])
-    lr = schedules_from_config(cfg, steps_per_epoch=10, global_batch=64).lr
+    lr = schedules_from_config(cfg, steps_per_epoch=10, schedule_steps=40, global_batch=64).lr
     assert lr[[0, 19, 20, 29, 30, 39]].tolist() == pytest.approx([0.01, 0.01, 0.002, 0.002, 0.0004, 0.0004])
     # cosine stays the default of the schema
     cosine = load_config(None, ["optim.epochs=4", "optim.lr_scaling=none", "optim.lr=0.01"])
     assert cosine.optim.lr_schedule == "cosine"
-    assert schedules_from_config(cosine, 10, 64).lr.tolist() == pytest.approx(cosine_schedule(0.01, 0.0, 40).tolist())
+    assert schedules_from_config(cosine, 10, 40, 64).lr.tolist() == pytest.approx(
+        cosine_schedule(0.01, 0.0, 40).tolist())
 
 
 def test_adam_decay_is_coupled_as_torch_adam():

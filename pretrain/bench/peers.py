@@ -124,8 +124,8 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
     rest = [p for p in [*backbone.parameters(), *heads.parameters()] if all(p is not q for q in fixed)]
     optimizer = torch.optim.SGD([{"params": rest}, *([{"params": fixed, "fixed_lr": True}] if fixed else [])],
                                 lr=cfg.optim.lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
-    schedules = schedules_from_config(cfg, len(loader), cfg.data.batch_size)
-    total = len(loader) * cfg.optim.epochs
+    total = len(loader) * cfg.optim.epochs           # the project's run of this recipe: its epochs, no compute budget
+    schedules = schedules_from_config(cfg, len(loader), total, cfg.data.batch_size)
     backbone.train(), heads.train()
     rates, step, window, started = [], 0, cfg.engine.print_every_steps, time.perf_counter()
     (run_dir / "exports").mkdir(parents=True, exist_ok=True)

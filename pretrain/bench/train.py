@@ -129,8 +129,8 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
         def build_loader(self, rank, world_size, device):
             return FixedViews(fixed_batch(self.cfg, device), steps)
 
-        def build_task(self, steps_per_epoch, device):
-            method = super().build_task(steps_per_epoch, device)
+        def build_task(self, steps_per_epoch, schedule_steps, device):
+            method = super().build_task(steps_per_epoch, schedule_steps, device)
             after_step = method.after_step
 
             def timed_after_step(step: int) -> None:

@@ -27,6 +27,9 @@ def available_methods() -> list[str]:
     return sorted(info.name for info in pkgutil.iter_modules(__path__) if info.name != "base")
 
 
-def build_method(cfg: DictConfig, steps_per_epoch: int = 1) -> Method:
-    """The method named by `cfg.method.name`; `steps_per_epoch` sizes its own schedules (DINO's)."""
-    return method_module(cfg.method.name).METHOD(cfg, steps_per_epoch)
+def build_method(cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1) -> Method:
+    """The method named by `cfg.method.name`. Its own schedules (DINO's teacher momentum and temperature) span
+    `schedule_steps` optimizer steps, the run's length, which the training loop decides once for every schedule
+    (`pretrain.runtime.compute_budget.schedule_length`); `steps_per_epoch` converts the `method.*_epochs` keys to
+    steps. A method built outside a run (a test, `bench`) gets a one-step schedule unless it is given one."""
+    return method_module(cfg.method.name).METHOD(cfg, steps_per_epoch, schedule_steps)

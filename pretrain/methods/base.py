@@ -74,7 +74,7 @@ class Method(TrainingTask):
     reference_model: dict[str, object]
     reference_optim: dict[str, object]
 
-    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1):
         super().__init__()
         self.train_counts = [group.count for group in cfg.data.views]
         self.cfg = cfg              # model.* / data.* for the export

@@ -138,7 +138,8 @@ def teacher_temp_schedule(warmup_temp: float, temp: float, warmup_steps: int, to
 
 
 def value_at(schedule: np.ndarray, step: int) -> float:
-    """`schedule[step]`, clamped to its ends (a run may stop early or be resumed with more epochs)."""
+    """`schedule[step]`, clamped to its ends (a method built outside a run has a one-step schedule, and after the
+    run's last step the temperature is read one step past the end)."""
     return float(schedule[min(max(step, 0), len(schedule) - 1)])
 
 
@@ -154,8 +155,8 @@ class DINO(Method):
     # facebookresearch/dino utils.get_params_groups: no decay for biases and norms
     reference_optim = {"decay_norm_and_bias": False}
 
-    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
-        super().__init__(cfg, steps_per_epoch)
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1):
+        super().__init__(cfg, steps_per_epoch, schedule_steps)
         model, method = cfg.model, cfg.method
         self.backbone = backbone_from_config(cfg, method.drop_path_rate if is_vision_transformer(model.arch) else 0.0)
         self.head = DINOHead(self.backbone.num_features, model.proj_hidden_dim, model.proj_out_dim, method.out_dim,
@@ -178,12 +179,11 @@ class DINO(Method):
         self.steps_done = 0             # optimizer steps taken: indexes the schedules
         self.teacher_placed = False     # moved to the views' device and made equal on every rank
 
-        # ==== schedules, indexed by optimizer step ====
-        total_steps = max(1, cfg.optim.epochs * steps_per_epoch)
-        self.momentum_schedule = cosine_schedule(method.momentum_teacher, 1.0, total_steps)
+        # ==== schedules, indexed by optimizer step: over the run's schedule, as the lr's ====
+        self.momentum_schedule = cosine_schedule(method.momentum_teacher, 1.0, schedule_steps)
         self.teacher_temp_schedule = teacher_temp_schedule(
             method.warmup_teacher_temp, method.teacher_temp, round(method.warmup_teacher_temp_epochs * steps_per_epoch),
-            total_steps)
+            schedule_steps)
         self.frozen_steps = round(method.freeze_last_layer_epochs * steps_per_epoch)
 
     @staticmethod

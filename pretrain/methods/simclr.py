@@ -39,8 +39,8 @@ class SimCLR(Method):
     # google-research/simclr excludes BatchNorm from the decay (LARS's exclude_from_weight_decay, add_weight_decay)
     reference_optim = {"decay_norm_and_bias": False}
 
-    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
-        super().__init__(cfg, steps_per_epoch)
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1):
+        super().__init__(cfg, steps_per_epoch, schedule_steps)
         self.backbone = backbone_from_config(cfg)
         self.projector = projector_from_config(cfg, self.backbone.num_features)
         self.temperature = cfg.method.temperature

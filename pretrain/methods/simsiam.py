@@ -44,8 +44,8 @@ class SimSiam(Method):
     # facebookresearch/simsiam main_simsiam.py passes every parameter to SGD
     reference_optim = {"decay_norm_and_bias": True}
 
-    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
-        super().__init__(cfg, steps_per_epoch)
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1):
+        super().__init__(cfg, steps_per_epoch, schedule_steps)
         model = cfg.model
         self.backbone = backbone_from_config(cfg)
         self.projector = projector_from_config(cfg, self.backbone.num_features, last_bn="bn")

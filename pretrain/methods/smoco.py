@@ -98,8 +98,8 @@ class SMoCo(Method):
     # the paper publishes no code: this project's choice
     reference_optim = {"decay_norm_and_bias": False}
 
-    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
-        super().__init__(cfg, steps_per_epoch)
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1):
+        super().__init__(cfg, steps_per_epoch, schedule_steps)
         method = cfg.method
         self.backbone = backbone_from_config(cfg)
         self.projector = projector_from_config(cfg, self.backbone.num_features)

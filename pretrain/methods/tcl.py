@@ -59,8 +59,8 @@ class TCL(Method):
     # the TCL code builds on SupContrast: SGD over every parameter
     reference_optim = {"decay_norm_and_bias": True}
 
-    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
-        super().__init__(cfg, steps_per_epoch)
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1):
+        super().__init__(cfg, steps_per_epoch, schedule_steps)
         self.backbone = backbone_from_config(cfg)
         self.projector = projector_from_config(cfg, self.backbone.num_features)
         self.options = OmegaConf.to_object(cfg.method)      # this method's Options

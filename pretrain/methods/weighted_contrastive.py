@@ -76,8 +76,8 @@ class WeightedContrastive(TCL):
     # the paper publishes no code: this project's choice
     reference_optim = {"decay_norm_and_bias": False}
 
-    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1):
-        super().__init__(cfg, steps_per_epoch)
+    def __init__(self, cfg: DictConfig, steps_per_epoch: int = 1, schedule_steps: int = 1):
+        super().__init__(cfg, steps_per_epoch, schedule_steps)
         self.design = BatchDesign(**OmegaConf.to_container(cfg.data.batch_design))
         check_group_design_sees_its_pairs(self.design.name, cfg.method.gather_negatives, world_size())
         self.global_batch = cfg.data.batch_size * world_size()

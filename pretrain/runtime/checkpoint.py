@@ -31,7 +31,8 @@ from pretrain.runtime.task import TrainingTask
 TRAINER_STATE = "trainer_state.json"
 
 # What a checkpoint's step count, data position and schedule depend on. Resuming with any of them changed
-# would silently train another run (other epochs, another schedule, zero steps), so it is refused. Settings
+# would silently train another run (other epochs, another schedule, zero steps), so it is refused. A checkpoint
+# written before a key was added resumes without its check. Settings
 # that only change values (optim.lr, weight decay, clipping, logging, checkpoint frequency, max_steps) may
 # change on resume: the new values apply from the resumed step on.
 RUN_LAYOUT = {
@@ -41,6 +42,9 @@ RUN_LAYOUT = {
     "num_images": "the number of training images",
     "epochs": "the number of epochs",
     "seed": "the seed",
+    "budget_pflop": "the compute budget in PFLOP (optim.budget_pflop, 0: none)",
+    "flops_per_step": "the FLOPs counted for one optimizer step (0: not counted; the model, the views or hard view "
+                      "selection changed)",
 }
 
 
@@ -48,10 +52,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as it is; the message says why and what to do."""
 
 
-def run_layout(options, world_size: int, num_images: int) -> dict[str, int]:
-    """The settings of RUN_LAYOUT for this start; `options`: the loop's (`pretrain.runtime.loop.LoopOptions`)."""
+def run_layout(options, world_size: int, num_images: int, flops_per_step: int = 0) -> dict[str, int | float]:
+    """The settings of RUN_LAYOUT for this start; `options`: the loop's (`pretrain.runtime.loop.LoopOptions`);
+    `flops_per_step`: the count of a compute-budgeted run (pretrain/runtime/compute_budget.py), which a resumed run
+    takes again."""
     return {"world_size": world_size, "batch_size": options.batch_size, "grad_accum": options.grad_accum,
-            "num_images": num_images, "epochs": options.epochs, "seed": options.seed}
+            "num_images": num_images, "epochs": options.epochs, "seed": options.seed,
+            "budget_pflop": options.budget_pflop, "flops_per_step": flops_per_step}
 
 
 def describe_write_error(error: Exception, directory: Path) -> str:
@@ -82,7 +89,7 @@ class Checkpointer:
     divergence_advice); `layout` the settings of RUN_LAYOUT for this start (`run_layout`).
     """
 
-    def __init__(self, engine, task: TrainingTask, stage, layout: dict[str, int]):
+    def __init__(self, engine, task: TrainingTask, stage, layout: dict[str, int | float]):
         self.engine, self.task, self.stage, self.layout = engine, task, stage, layout
         self.directory = stage.run_dir / "checkpoints"
         self.saved_step: int | None = None
@@ -194,7 +201,7 @@ class Checkpointer:
             f"{checkpoint_dir.parent / 'config.yaml'}, or start a new run with another name=... .")
 
 
-def check_layout(checkpoint: Path, layout: dict[str, int]) -> None:
+def check_layout(checkpoint: Path, layout: dict[str, int | float]) -> None:
     saved = json.loads((checkpoint / TRAINER_STATE).read_text())
     changed = [f"{RUN_LAYOUT[key]} was {saved[key]} and is now {layout[key]}"
                for key in RUN_LAYOUT if key in saved and saved[key] != layout[key]]

@@ -10,7 +10,8 @@ A stage's config is a dataclass schema (pretraining's `pretrain/config.py`, fine
 Every key is checked against the schema (an unknown key names the closest valid one and where the keys are
 listed); values are type-checked by OmegaConf, then against choices and ranges (`check_choices_and_ranges`).
 `OptimConfig` and `EngineConfig` are the sections of a `ConfiguredStage` (pretrain/runtime/loop.py): the
-optimizer, its schedules, DeepSpeed, checkpoints, logging and the time budget.
+optimizer, its schedules (their length: optim.epochs or a compute budget), DeepSpeed, checkpoints, logging and the
+time budget.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class OptimConfig:
     min_lr: float = 0.0
     warmup_epochs: float = 0.0
     epochs: int = 100
+    # A compute budget in PFLOP (1e15 floating-point operations, as FlopCounterMode counts them), in place of
+    # `epochs`: every schedule spans the optimizer steps it buys, floor(budget / the FLOPs counted for one step), and
+    # the run ends there (pretrain/runtime/compute_budget.py). 0: the schedules span `epochs`.
+    budget_pflop: float = 0.0
     momentum: float = 0.9
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1e-4
@@ -71,6 +76,10 @@ class EngineConfig:
     # A checkpoint (and export) every N minutes of training, in place of the epoch ends' (0: at epoch ends): the
     # evaluation marks of a time-budgeted run (`python -m launch benchmark`).
     checkpoint_every_minutes: float = 0.0
+    # N checkpoints (and exports) evenly spaced over the run's steps, the last at its last step, in place of the epoch
+    # ends' (0: at epoch ends): the evaluation marks of a run whose steps are known only once it has started (a
+    # compute budget's, `python -m launch benchmark`).
+    checkpoints_per_run: int = 0
     threads: int = 0                         # CPU threads per process; 0: its share of the cores (cpu_threads.py)
 
 
@@ -89,6 +98,7 @@ RUNTIME_RANGES = (
     ("optim.min_lr", ">=", 0, "the cosine's final lr"),
     ("optim.warmup_epochs", ">=", 0, "epochs"),
     ("optim.epochs", ">=", 1, "epochs to train"),
+    ("optim.budget_pflop", ">=", 0, "the compute budget in PFLOP, 0: the schedules span optim.epochs"),
     ("optim.momentum", ">=", 0, "SGD / LARS momentum"),
     ("optim.weight_decay", ">=", 0, "weight decay"),
     ("optim.weight_decay_end", ">=", 0, "weight decay"),
@@ -104,6 +114,7 @@ RUNTIME_RANGES = (
     ("engine.max_steps", ">=", 0, "0: the whole schedule"),
     ("engine.max_minutes", ">=", 0, "minutes of training, 0: no time budget"),
     ("engine.checkpoint_every_minutes", ">=", 0, "minutes of training, 0: at epoch ends"),
+    ("engine.checkpoints_per_run", ">=", 0, "checkpoints evenly spaced over the run, 0: at epoch ends"),
     ("engine.threads", ">=", 0, "CPU threads per process, 0: the process's share of the cores"),
 )
 

@@ -1,6 +1,8 @@
 """The training loop of every stage that trains: pretraining, fine-tuning and detection.
 
-    run = prepare_run(...)                 data, task, optimizer and schedules, DeepSpeed engine, resume, monitor
+    run = prepare_run(...)                 data, the schedule's length (optim.epochs, or a compute budget's
+                                           counted steps), task, optimizer and schedules, DeepSpeed engine, resume,
+                                           monitor
     for every epoch, `train_one_epoch(run)`: for every optimizer step of the epoch
         set_schedule_values                the step's learning rate and weight decay
         optimizer_step                     grad_accum times: micro-batch -> train_step (task.batch_loss ->
@@ -51,6 +53,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from pretrain.runtime.checkpoint import Checkpointer, run_layout
+from pretrain.runtime.compute_budget import (PFLOP, SCHEDULE_RECORD, counted_step_flops, record_schedule,
+                                             schedule_length)
 from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native, emulated_bf16_warning
 from pretrain.runtime.cpu_threads import configure_threads
 from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
@@ -189,7 +193,7 @@ def train_in_run_directory(stage: Stage, rank: int, world_size: int, device: tor
     with GracefulStop() as stop, locked_run_directory(stage.run_dir, rank):
         run = prepare_run(stage, rank, world_size, device, stop)
         try:
-            while run.epoch < run.options.epochs and run.step < run.stop_step and not run.out_of_time:
+            while run.step < run.stop_step and not run.out_of_time:
                 train_one_epoch(run)
                 run.epoch, run.batch_in_epoch = run.epoch + 1, 0
         finally:
@@ -262,6 +266,7 @@ class Run:
     stop_step: int                  # the last step: engine.max_steps, else the schedules' end
     budget_s: float                 # engine.max_minutes in seconds (0: no time budget)
     mark_s: float                   # engine.checkpoint_every_minutes in seconds (0: checkpoints at epoch ends)
+    mark_steps: frozenset[int]      # engine.checkpoints_per_run's steps (empty: checkpoints at epoch ends)
     next_mark_s: float              # the training clock's next minute mark (inf: none)
     epoch: int
     batch_in_epoch: int             # the epoch's next micro-batch
@@ -272,8 +277,9 @@ class Run:
 
 
 def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, stop: GracefulStop) -> Run:
-    """The data, the task, the optimizer and its schedules, the DeepSpeed engine, the newest checkpoint that loads
-    (else a fresh start), the monitor and the training clock: the `Run` the epoch loop trains."""
+    """The data, the schedule's length (decided here, once, for every schedule: `schedule_length`), the task, the
+    optimizer and its schedules, the DeepSpeed engine, the newest checkpoint that loads (else a fresh start), the
+    monitor and the training clock: the `Run` the epoch loop trains."""
     options = stage.options
     stage.check_resumable()                         # on every rank: a refused start ends all of them
     if rank == 0:
@@ -282,16 +288,21 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     stage.seed_generators()
 
-    # ==== data, task, optimizer and schedules, DeepSpeed engine ====
+    # ==== data, the schedule's length (a compute budget: counted), task, optimizer and schedules, DeepSpeed engine ====
     loader = stage.build_loader(rank, world_size, device)
     steps_per_epoch = len(loader) // options.grad_accum
-    task = place_task(stage.build_task(steps_per_epoch, device), options, world_size, device)
-    schedules = stage.schedules(steps_per_epoch, options.batch_size * world_size * options.grad_accum)
+    step_flops = counted_step_flops(stage, loader, steps_per_epoch, device, rank, world_size) \
+        if options.budget_pflop > 0 else None
+    # Every schedule spans these steps: the lr and weight decay, the task's own (DINO's teacher momentum), the run.
+    schedule_steps = schedule_length(options.epochs, steps_per_epoch, options.budget_pflop, step_flops)
+    task = place_task(stage.build_task(steps_per_epoch, schedule_steps, device), options, world_size, device)
+    schedules = stage.schedules(steps_per_epoch, schedule_steps, options.batch_size * world_size * options.grad_accum)
     optimizer = stage.build_optimizer(task, schedules.peak_lr)
     engine, optimizer, gradient_edits = initialize_engine(task, optimizer, options)
 
     # ==== resume: the newest checkpoint that loads, else a fresh start ====
-    checkpointer = Checkpointer(engine, task, stage, run_layout(options, world_size, loader.num_images))
+    layout = run_layout(options, world_size, loader.num_images, step_flops.total if step_flops else 0)
+    checkpointer = Checkpointer(engine, task, stage, layout)
     resumed_at = checkpointer.resume()
     epoch, batch_in_epoch, trained_seconds = resumed_at or (0, 0, 0.0)
     if resumed_at is not None:
@@ -303,10 +314,15 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     else:
         stage.check_fresh_start()
     stage.record(task, steps_per_epoch, rank)
+    stop_step = min(schedule_steps, options.max_steps) if options.max_steps > 0 else schedule_steps
     if rank == 0:       # every start, each resume too: what code and which machine trained from this step on
         record_start(stage.run_dir, engine.global_steps if resumed_at is not None else 0)
-    total_steps = options.epochs * steps_per_epoch
-    stop_step = min(total_steps, options.max_steps) if options.max_steps > 0 else total_steps
+        record_schedule(stage.run_dir, schedule_steps, steps_per_epoch, stop_step, options.budget_pflop, step_flops)
+        if step_flops is not None:
+            print(f"compute budget: {options.budget_pflop:g} PFLOP buys {schedule_steps} optimizer steps "
+                  f"({schedule_steps / steps_per_epoch:.4g} epochs) of {step_flops.total / PFLOP:.6g} PFLOP each, "
+                  f"{step_flops.selection / PFLOP:.6g} of it hard view selection's (matrix products, convolutions "
+                  f"and attention counted: {stage.run_dir / SCHEDULE_RECORD})", flush=True)
     monitor = TrainingMonitor(stage.run_dir, stop_step, enabled=rank == 0, print_every_steps=options.print_every_steps,
                               resumed_step=engine.global_steps if resumed_at is not None else None)
     if resumed_at is not None:
@@ -318,11 +334,13 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     # A time budget (engine.max_minutes) ends the run at the first step whose agreed training clock reaches it;
     # minute marks (engine.checkpoint_every_minutes) checkpoint at the first step past each.
     budget_s, mark_s = 60 * options.max_minutes, 60 * options.checkpoint_every_minutes
+    mark_steps = evenly_spaced_steps(stop_step, options.checkpoints_per_run)
     return Run(stage=stage, options=options, rank=rank, world_size=world_size, device=device,
                bf16=uses_bf16(options, device),
                loader=loader, steps_per_epoch=steps_per_epoch, task=task, engine=engine, optimizer=optimizer,
                gradient_edits=gradient_edits, schedules=schedules, checkpointer=checkpointer, monitor=monitor,
                stop=stop, clock=TrainingClock(trained_seconds), stop_step=stop_step, budget_s=budget_s, mark_s=mark_s,
+               mark_steps=mark_steps,
                next_mark_s=next_minute_mark(trained_seconds, mark_s), epoch=epoch, batch_in_epoch=batch_in_epoch,
                step=engine.global_steps, trained_seconds=trained_seconds,
                out_of_time=budget_s > 0 and trained_seconds >= budget_s)
@@ -350,6 +368,12 @@ def channels_last_inputs(module: nn.Module) -> None:
     for layer in module.modules():
         if isinstance(layer, nn.Conv2d):
             layer.register_forward_pre_hook(to_channels_last)
+
+
+def evenly_spaced_steps(last_step: int, count: int) -> frozenset[int]:
+    """The steps of `count` checkpoints evenly spaced over a run of `last_step` steps: the first step at or past each
+    k / count of it, k = 1..count (the last is `last_step`); fewer when the run has fewer steps than `count`."""
+    return frozenset(-(-k * last_step // count) for k in range(1, count + 1)) if count else frozenset()
 
 
 def next_minute_mark(trained_seconds: float, mark_s: float) -> float:
@@ -432,11 +456,12 @@ def log_image_grids(run: Run, result: BatchLoss) -> None:
 
 
 def checkpoint_due(run: Run, epoch_end: bool, last: bool) -> bool:
-    """Whether this step checkpoints: every engine.checkpoint_every_steps, at epoch ends unless minute marks replace
-    them, at the first step past each minute mark (engine.checkpoint_every_minutes), and at the last step."""
+    """Whether this step checkpoints: every engine.checkpoint_every_steps, at epoch ends unless minute or step marks
+    replace them, at the first step past each minute mark (engine.checkpoint_every_minutes), at the steps of
+    engine.checkpoints_per_run, and at the last step."""
     every = run.options.checkpoint_every_steps
-    return bool((every and run.step % every == 0) or (epoch_end and not run.mark_s) or last
-                or run.trained_seconds >= run.next_mark_s)
+    return bool((every and run.step % every == 0) or (epoch_end and not run.mark_s and not run.mark_steps) or last
+                or run.trained_seconds >= run.next_mark_s or run.step in run.mark_steps)
 
 
 def save_checkpoint(run: Run) -> None:

@@ -122,8 +122,10 @@ class Schedules:
     weight_decay: np.ndarray
 
 
-def schedules_from_config(cfg: DictConfig, steps_per_epoch: int, global_batch: int) -> Schedules:
-    """The `optim.*` recipe of pretraining, fine-tuning and detection: the lr scaled to the global batch
+def schedules_from_config(cfg: DictConfig, steps_per_epoch: int, schedule_steps: int, global_batch: int) -> Schedules:
+    """The `optim.*` recipe of pretraining, fine-tuning and detection over `schedule_steps` optimizer steps (the run's
+    length, decided once by the loop: optim.epochs x steps_per_epoch, or what a compute budget buys,
+    `pretrain.runtime.compute_budget.schedule_length`): the lr scaled to the global batch
     (`scaled_lr`), a linear warm-up over optim.warmup_epochs (from 0, or from optim.warmup_start_factor x the peak
     where the schema has that key: detection's) then, with optim.lr_schedule=cosine (the default), a cosine to
     optim.min_lr, or with lr_schedule=step, steps down by optim.lr_step_factor at the optim.lr_milestones
@@ -131,16 +133,15 @@ def schedules_from_config(cfg: DictConfig, steps_per_epoch: int, global_batch: i
     that is null)."""
     optim = cfg.optim
     peak_lr = scaled_lr(cfg, global_batch)
-    total_steps = optim.epochs * steps_per_epoch
     warmup_steps = int(optim.warmup_epochs * steps_per_epoch)
     warmup_start = optim.get("warmup_start_factor", 0.0) * peak_lr
     if optim.lr_schedule == "step":
-        lr = step_schedule(peak_lr, total_steps, list(optim.lr_milestones), optim.lr_step_factor, warmup_steps,
+        lr = step_schedule(peak_lr, schedule_steps, list(optim.lr_milestones), optim.lr_step_factor, warmup_steps,
                            warmup_start)
     else:
-        lr = cosine_schedule(peak_lr, optim.min_lr, total_steps, warmup_steps, warmup_start)
+        lr = cosine_schedule(peak_lr, optim.min_lr, schedule_steps, warmup_steps, warmup_start)
     wd_end = optim.weight_decay if optim.weight_decay_end is None else optim.weight_decay_end
-    return Schedules(peak_lr=peak_lr, lr=lr, weight_decay=cosine_schedule(optim.weight_decay, wd_end, total_steps))
+    return Schedules(peak_lr=peak_lr, lr=lr, weight_decay=cosine_schedule(optim.weight_decay, wd_end, schedule_steps))
 
 
 def divergence_advice(cfg: DictConfig) -> str:

@@ -24,7 +24,7 @@ class LoopOptions:
     """The settings the loop reads; pretraining, fine-tuning and detection take them from their `optim.*` /
     `engine.*` keys (`from_config`)."""
 
-    epochs: int
+    epochs: int                     # the schedules' length without a compute budget
     batch_size: int                 # per process and micro-batch
     grad_accum: int = 1             # micro-batches per optimizer step
     grad_clip: float = 0.0          # max global gradient norm; 0: no clipping
@@ -32,12 +32,14 @@ class LoopOptions:
     seed: int = 0
     zero_stage: int = 0
     precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
+    budget_pflop: float = 0.0       # the schedules' length in counted compute, in place of epochs (0: epochs)
     max_steps: int = 0              # stop after this many optimizer steps (0: all epochs); schedules span all
     max_minutes: float = 0.0        # stop after this many minutes of training (TrainingClock; 0: no time budget)
     log_every_steps: int = 10
     print_every_steps: int = 10
     checkpoint_every_steps: int = 0  # 0: at epoch ends (and the last step) only
     checkpoint_every_minutes: float = 0.0   # of training, in place of the epoch ends' (0: at epoch ends)
+    checkpoints_per_run: int = 0    # evenly spaced over the run's steps, in place of the epoch ends' (0: at epoch ends)
     keep_checkpoints: int = 0       # 0: keep all
     image_grid_every_steps: int = 0
     sync_batchnorm: bool = True     # GPUs, several processes
@@ -51,10 +53,12 @@ class LoopOptions:
         return cls(epochs=optim.epochs, batch_size=cfg.data.batch_size, grad_accum=optim.grad_accum,
                    grad_clip=float(optim.grad_clip), grad_clip_per_parameter=float(optim.grad_clip_per_parameter),
                    seed=cfg.seed, zero_stage=engine.zero_stage, precision=engine.precision,
-                   max_steps=engine.max_steps, max_minutes=float(engine.get("max_minutes", 0.0)),
+                   budget_pflop=float(optim.get("budget_pflop", 0.0)), max_steps=engine.max_steps,
+                   max_minutes=float(engine.get("max_minutes", 0.0)),
                    log_every_steps=engine.log_every_steps, print_every_steps=engine.print_every_steps,
                    checkpoint_every_steps=engine.checkpoint_every_steps,
                    checkpoint_every_minutes=float(engine.get("checkpoint_every_minutes", 0.0)),
+                   checkpoints_per_run=engine.get("checkpoints_per_run", 0),
                    keep_checkpoints=engine.keep_checkpoints,
                    image_grid_every_steps=engine.get("image_grid_every_steps", 0),
                    sync_batchnorm=engine.sync_batchnorm, channels_last=engine.channels_last,
@@ -132,10 +136,13 @@ class Stage:
         """This rank's loader; raise ConfigError when it holds fewer than grad_accum micro-batches."""
         raise NotImplementedError
 
-    def build_task(self, steps_per_epoch: int, device: torch.device) -> TrainingTask:
+    def build_task(self, steps_per_epoch: int, schedule_steps: int, device: torch.device) -> TrainingTask:
+        """The task, whose own schedules (DINO's teacher momentum) span `schedule_steps` optimizer steps, as the
+        lr's do: the loop decides that length once (`pretrain.runtime.compute_budget.schedule_length`)."""
         raise NotImplementedError
 
-    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
+    def schedules(self, steps_per_epoch: int, schedule_steps: int, global_batch: int) -> Schedules:
+        """The lr and weight-decay schedules over `schedule_steps` optimizer steps."""
         raise NotImplementedError
 
     def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
@@ -162,8 +169,8 @@ class ConfiguredStage(Stage):
     def divergence_advice(self) -> str:
         return divergence_advice(self.cfg)
 
-    def schedules(self, steps_per_epoch: int, global_batch: int) -> Schedules:
-        return schedules_from_config(self.cfg, steps_per_epoch, global_batch)
+    def schedules(self, steps_per_epoch: int, schedule_steps: int, global_batch: int) -> Schedules:
+        return schedules_from_config(self.cfg, steps_per_epoch, schedule_steps, global_batch)
 
     def build_optimizer(self, task: TrainingTask, peak_lr: float) -> torch.optim.Optimizer:
         return build_optimizer(self.cfg, task.param_groups(), peak_lr)

@@ -75,7 +75,7 @@ class DetectionTraining(ConfiguredStage):
                               "lower data.batch_size or optim.grad_accum")
         return loader
 
-    def build_task(self, steps_per_epoch: int, device: torch.device) -> DetectionTask:
+    def build_task(self, steps_per_epoch: int, schedule_steps: int, device: torch.device) -> DetectionTask:
         inputs = self.inputs
         resnet = detection_backbone(inputs.export, inputs.init, self.cfg.seed)
         torch.manual_seed(self.cfg.seed)              # the RPN and the box predictor start from this seed

@@ -11,6 +11,7 @@ lr. The command is transfer/finetune/__init__.py; it resolves the inputs (`resol
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -253,7 +254,7 @@ class Finetuning(ConfiguredStage):
                               "data.batch_size or optim.grad_accum")
         return loader
 
-    def build_task(self, steps_per_epoch: int, device: torch.device) -> FinetuneTask:
+    def build_task(self, steps_per_epoch: int, schedule_steps: int, device: torch.device) -> FinetuneTask:
         cfg, inputs = self.cfg, self.inputs
         val_loader = build_image_loader(inputs.val_path, inputs.image_size, cfg.data.eval_batch_size, device=device,
                                         mean=inputs.mean, std=inputs.std, num_workers=cfg.data.num_workers,
@@ -263,7 +264,7 @@ class Finetuning(ConfiguredStage):
                                  drop_path_rate=cfg.model.drop_path_rate, head_init_std=cfg.model.head_init_std,
                                  seed=cfg.seed)
         return FinetuneTask(model, augmentation, val_loader, cfg.optim.layer_decay, cfg.seed,
-                            uses_bf16(self.options, device), cfg.optim.epochs)
+                            uses_bf16(self.options, device), math.ceil(schedule_steps / steps_per_epoch))
 
     def record(self, task: FinetuneTask, steps_per_epoch: int, rank: int) -> None:
         if rank == 0:
@@ -276,7 +277,7 @@ class Finetuning(ConfiguredStage):
 
     def finish(self, engine, task: FinetuneTask, step: int, epoch: int, rank: int) -> dict:
         """The result: RUN_DIR/eval/finetune_FRACTION_FROM_stepNNNNNNN.json and RUN_DIR/tb (rank 0 writes)."""
-        result = finetune_result(self.cfg, self.inputs, task.evaluations, len(self.subset),
+        result = finetune_result(self.cfg, self.inputs, task.evaluations, task.epochs, len(self.subset),
                                  time.perf_counter() - self.started)
         if rank == 0:
             write_finetune_result(self.inputs, result)
@@ -293,7 +294,7 @@ def train(cfg: DictConfig, inputs: FinetuneInputs) -> dict:
     return run_training(Finetuning(cfg, inputs))
 
 
-def finetune_result(cfg: DictConfig, inputs: FinetuneInputs, evaluations: list[dict], num_train: int,
+def finetune_result(cfg: DictConfig, inputs: FinetuneInputs, evaluations: list[dict], epochs: int, num_train: int,
                     seconds: float) -> dict:
     """The numbers a fine-tuning reports: top-1 / top-5 after the last epoch (the headline), the best epoch's top-1
     (chosen on the validation set, so optimistic, as DINO's eval_linear.py reports it), every evaluation."""
@@ -302,7 +303,7 @@ def finetune_result(cfg: DictConfig, inputs: FinetuneInputs, evaluations: list[d
     return {"top1": last["top1"], "top5": last["top5"], "best_top1": best["top1"], "best_epoch": best["epoch"],
             "from": inputs.start, "label_fraction": inputs.label_fraction, "num_train": num_train,
             "num_val": inputs.num_val, "num_classes": inputs.num_classes, "image_size": inputs.image_size,
-            "crop_fraction": inputs.crop_fraction, "epochs": cfg.optim.epochs, "config_name": cfg.name,
+            "crop_fraction": inputs.crop_fraction, "epochs": epochs, "config_name": cfg.name,
             "finetune_dir": str(inputs.finetune_dir), "evaluations": evaluations, "seconds": round(seconds, 1)}
 
 
