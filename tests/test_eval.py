@@ -408,6 +408,14 @@ def test_baselines_reproduce_the_demos_anchor_rows_and_write_one_result(digits, 
     assert result["random_init"]["knn"] == pytest.approx(0.9194, abs=1e-4)      # README: 91.94% / 95.28%
     assert result["random_init"]["linear"] == pytest.approx(0.9528, abs=1e-4)
     assert "raw_pixels" in finished.stdout and "97.22%" in finished.stdout
+    # beside them, the standard reference (tests/test_standardised_pixels.py): the gray digits' 16 x 16 pixels once,
+    # the choices made on a sixth of the 1,437 training images and recorded with their grids
+    standard = result["standardised_pixels"]
+    assert (standard["channels"], standard["features"], standard["train_images"]) == (1, 256, 1437)
+    assert standard["validation_images"] == 236 and standard["warnings"] == []
+    assert standard["logistic_regression"]["C"] in standard["logistic_regression"]["grid"]
+    assert len(standard["k_nearest_neighbours"]["validation"]) == 6 and 0.9 < standard["linear"] <= 1
+    assert f"standardised_pixels     {standard['knn']:.2%}" in finished.stdout
     refused = run_module("eval", "baselines", "--config", str(REPO_ROOT / "configs/pretrain/simclr_digits.yaml"),
                          "optim.lrr=1")
     assert refused.returncode == 2 and "did you mean 'optim.lr'" in refused.stderr

@@ -25,6 +25,7 @@ RECIPE = str(ROOT / "configs/transfer/finetune_digits.yaml")
 # 8 px views and evaluation: the same jobs as the shipped files', each export scored in about a second
 SMALL = ["data.batch_size=32", "data.num_workers=1", "data.views.0.size=8", "model.proj_hidden_dim=64",
          "model.proj_out_dim=32", "engine.image_grid_every_steps=0"]
+STANDARDISED_8PX = "standardised pixels (scikit-learn: tuned k-NN, logistic regression), 8 px"
 
 
 def write_benchmark(path: Path, rows: list[dict], references: dict | None = None, **more) -> Path:
@@ -60,7 +61,7 @@ def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their
     # --finished-only: the table of what has finished (the reference), the rest named, nothing submitted.
     partial = forked_runs.run("launch", [*command, "--finished-only"], timeout=120)
     table = json.loads((out / "table.json").read_text())
-    assert [entry["label"] for entry in table["rows"]] == ["raw pixels, 8 px", "random init, 8 px"]
+    assert [entry["label"] for entry in table["rows"]] == ["raw pixels, 8 px", "random init, 8 px", STANDARDISED_8PX]
     assert table["not_finished"] == ["simclr_seed0", "cross_entropy_seed0"]
     assert "A partial table: 2 runs of the file have not finished" in partial.stdout
     assert len((simclr / "jobs.jsonl").read_text().splitlines()) == 1
@@ -87,6 +88,8 @@ def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their
     baselines = json.loads((out / "rows/references_8px_seed0/eval/baselines_step0000000.json").read_text())
     assert rows["raw pixels, 8 px"]["knn"]["values"] == [round(100 * baselines["raw_pixels"]["knn"], 2)]
     assert rows["random init, 8 px"]["linear"]["values"] == [round(100 * baselines["random_init"]["linear"], 2)]
+    assert rows[STANDARDISED_8PX]["linear"]["values"] == [
+        round(100 * baselines["standardised_pixels"]["linear"], 2)]
     table = (out / "table.md").read_text()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert table.startswith(f"Made by `python -m launch {' '.join(command)}` at commit {commit}")
@@ -96,7 +99,7 @@ def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their
     # each row shows it, and nothing is mixed.
     here = this_checkouts_label(ROOT)
     finals = [line for line in table.split("\n\n")[2].splitlines() if line.startswith("| ")][2:]
-    assert len(finals) == 4 and all(line.endswith(f"| {here} |") for line in finals), finals
+    assert len(finals) == 5 and all(line.endswith(f"| {here} |") for line in finals), finals
     written = json.loads((out / "table.json").read_text())
     assert (written["mixed_code"], written["code_warnings"]) == (False, [])
     assert [start["step"] for start in json.loads((simclr / "provenance.json").read_text())] == [0, killed_at]
@@ -131,6 +134,21 @@ def test_the_seeds_curves_are_averaged_mark_by_mark():
     supervised = points(0.3, 0.6, 0.7, epochs=[0, 1, 2])
     mark_keys(Row(name="x", label="x", kind="supervised", config="c", minutes=1.0), supervised)
     assert [p["key"] for p in supervised] == [0, 1, FINAL] and "epoch" not in supervised[0]
+
+
+def test_a_reference_gives_the_standardised_pixels_row_when_its_result_has_it():
+    """`eval baselines` writes a third encoder, standardised pixels by tuned scikit-learn classifiers: the table shows
+    it beside raw pixels and random init; a result written before it existed still gives the other two."""
+    row = Row(name="references_28px", label="28 px", kind="reference", config="c", seeds=(0,))
+    old = {"raw_pixels": {"knn": 0.8569, "linear": 0.8242}, "random_init": {"knn": 0.8225, "linear": 0.8347}}
+    new = {**old, "standardised_pixels": {"knn": 0.8535, "linear": 0.8471, "logistic_regression": {"C": 0.01}}}
+    assert [entry["label"] for entry in summarise(row, [old])] == ["raw pixels, 28 px", "random init, 28 px"]
+    entries = summarise(row, [new])
+    assert [entry["kind"] for entry in entries] == ["raw_pixels", "random_init", "standardised_pixels"]
+    assert entries[2]["label"] == "standardised pixels (scikit-learn: tuned k-NN, logistic regression), 28 px"
+    assert (entries[2]["knn"]["values"], entries[2]["linear"]["values"]) == ([85.35], [84.71])
+    assert "| standardised pixels (scikit-learn: tuned k-NN, logistic regression), 28 px | - | 0 | 85.35%" in markdown(
+        entries, "made by test")
 
 
 def test_the_table_shows_each_rows_curve_mark_by_mark_for_comparing_rows_at_equal_minutes():
