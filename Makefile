@@ -16,10 +16,7 @@ install: $(VENV)/.installed
 
 # FFCV compiles against OpenCV and libjpeg-turbo; dataset-fashion-mnist holds the benchmark's IDX files. torch and torchvision come from the package registry
 # (CUDA build, runs on CPUs too): `pip --isolated` ignores a local CPU-only torch wheel that pip may be
-# configured to prefer, with which torchvision's compiled ops do not load. --no-compile: pip byte-compiles every
-# module of every package it installs (torch's thousands), about 90 CPU-seconds of the install on an AVX2-only EPYC
-# (4 min 38 s against 2 min 0 s for the whole install there); Python compiles the modules a command imports, once,
-# when it first imports them (a few seconds, written to their __pycache__).
+# configured to prefer, with which torchvision's compiled ops do not load.
 $(VENV)/.installed: pyproject.toml
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
@@ -27,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip --isolated install -q --upgrade pip
-	$(PY) -m pip --isolated install -q --no-compile -e ".[test]"
+	$(PY) -m pip --isolated install -q -e ".[test]"
 	touch $@
 
 demo: install
