@@ -12,6 +12,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # and give a taken core back at once: SimCLR's Fashion-MNIST step 377-402 images/s alone against 359-366 with no spin,
 # 1.02 of its fair share beside a busy process (10,000 spins: 0.76; 100,000: 0.39). Other OpenMP runtimes ignore it.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-# Nothing here imports torch: a process that only imports `launch.jobs` (a job's wrapper, which runs its steps as
-# commands of their own) would spend 2.5-5 s on it (AVX2-only EPYC). DeepSpeed's accelerator is chosen where the
-# training runtime loads (pretrain/runtime/__init__.py).
+
+import torch  # noqa: E402  (after the OpenMP setting)
+
+# DeepSpeed picks its accelerator when first asked; without a GPU it must be the CPU one (gloo underneath).
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -18,12 +18,3 @@
 It imports nothing of the pretraining feature (the methods, losses, data, models, hard view selection):
 tests/test_imports.py fails on such an import.
 """
-import os
-
-import torch
-
-# DeepSpeed picks its accelerator when first imported, and every import of it in the project follows this package's:
-# without a GPU it must be the CPU one (gloo underneath), named here rather than left to DeepSpeed's probing, which
-# warns that it fell back to the CPU.
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
