@@ -78,7 +78,11 @@ class SlurmCluster:
             # What a cluster needs for preemption to reach a job as its --signal (USR2), so it can checkpoint.
             "SlurmctldParameters=preempt_send_user_signal",
             # Short timers: a test waits seconds, not minutes, for a requeued job to start again.
-            "SchedulerParameters=defer_batch,sched_interval=2", "MinJobAge=300", "KillWait=20",
+            "SchedulerParameters=defer_batch,sched_interval=2", "KillWait=20",
+            # An ended job's record stays for as long as a test may look at it on a slow machine: the default 300 s
+            # purged a fine-tuning job that had ended before its test looked (on an AVX2-only EPYC), and the test
+            # waited out its whole timeout for a state Slurm had forgotten.
+            "MinJobAge=7200",
             "MessageTimeout=20", "InactiveLimit=0",
             # As many clusters do: a task that exits non-zero ends its whole step at once (srun --kill-on-bad-exit),
             # so a job's rank 0 must have requeued it before any other rank exits.
@@ -163,12 +167,13 @@ class SlurmCluster:
 
     # ---- what the tests ask ----
     def job_state(self, job_id: str) -> str:
-        """The job's state as squeue / scontrol report it (PENDING, RUNNING, COMPLETED, FAILED, ...)."""
+        """The job's state as scontrol reports it (PENDING, RUNNING, COMPLETED, FAILED, ...); an AssertionError
+        naming the job when Slurm does not know it (never submitted, or its record purged after MinJobAge)."""
         shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True)
         for field in shown.stdout.split():
             if field.startswith("JobState="):
                 return field.split("=", 1)[1]
-        return "UNKNOWN"
+        raise AssertionError(f"Slurm does not know job {job_id}: {(shown.stderr or shown.stdout).strip()}")
 
     def restart_count(self, job_id: str) -> int:
         shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True)

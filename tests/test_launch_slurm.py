@@ -64,14 +64,21 @@ def submitted(stdout: str) -> list[str]:
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-def wait_until(condition, what: str, timeout: float = 400, job: str | None = None) -> None:
+def wait_until(condition, what: str, timeout: float = 400, job: str | None = None, log: Path | None = None) -> None:
     """Poll `condition()` until it holds, at most `timeout` s on the reference CPU (tests/machine_speed.py); with
-    `job`, fail at once when that job has ended (Slurm's state) and the condition still does not hold."""
+    `job`, fail at once when that job has ended (Slurm's state) and the condition still does not hold. A failure
+    names the job's state and ends with the last lines of `log` (its stderr, say)."""
     deadline = time.time() + scaled(timeout)
+
+    def failure(reason: str) -> str:
+        state = f"; job {job}: {scontrol_job(job)}" if job is not None else ""
+        tail = f"\n--- the end of {log}:\n" + log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+        return f"{reason}{state}{tail}"
+
     while not condition():
-        assert time.time() < deadline, f"timed out after {scaled(timeout):.0f} s waiting for {what}"
+        assert time.time() < deadline, failure(f"timed out after {scaled(timeout):.0f} s waiting for {what}")
         if job is not None and scontrol_job(job).get("JobState") in ENDED and not condition():
-            raise AssertionError(f"job {job} ended ({scontrol_job(job)['JobState']}) before {what}")
+            raise AssertionError(failure(f"job {job} ended ({scontrol_job(job)['JobState']}) before {what}"))
         time.sleep(0.5)
 
 
@@ -85,8 +92,12 @@ def job_logs(run_dir: Path) -> str:
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+    """`scontrol show job`'s fields; an AssertionError when Slurm does not know the job (tests/slurm_cluster.py keeps
+    an ended job's record for MinJobAge)."""
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
+    fields = dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field)
+    assert "JobState" in fields, f"Slurm does not know job {job_id}: {(shown.stderr or shown.stdout).strip()}"
+    return fields
 
 
 def slurm_minutes(limit: str) -> int:
@@ -163,8 +174,8 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
                                  *SLURM, "--time", "1", "--signal-delay-s", "5").stdout)
     [finetuning] = submitted(launch("finetune", "--run", str(finetuned), "--config", str(FINETUNE_CONFIG),
                                     "optim.epochs=6", "engine.print_every_steps=1", "engine.log_every_steps=1",
-                                    *SLURM, "--time", "2",
-                                    "--signal-delay-s", "5", "--max-requeues", "3").stdout)
+                                    *SLURM, "--time", "2", "--signal-delay-s", "5",     # requeues enough for a
+                                    "--max-requeues", str(max(3, round(slowness())))).stdout)  # slow machine's
     finetune_metrics = lambda: [json.loads(line) for path in finetuned.glob("finetune/*/metrics.jsonl")  # noqa: E731
                                 for line in path.read_text().splitlines()]
 
@@ -208,7 +219,8 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
     assert not (run_dir / "jobs" / f"{pretraining}.timeouts").exists() and cluster.restart_count(pretraining) >= 1
     assert [line["step"] for line in logged(run_dir)] == list(range(1, steps + 1))       # each step once
     # C. The watcher at its time limit: requeued, and every export evaluated exactly once over its allocations.
-    wait_until(lambda: cluster.job_state(watcher) == "COMPLETED", "the watcher's end")
+    wait_until(lambda: cluster.job_state(watcher) == "COMPLETED", "the watcher's end", job=watcher,
+               log=run_dir / "jobs" / f"{watcher}_0_log.err")
     assert f"requeueing job {watcher}" in job_log(run_dir, watcher, "err")
     # (an evaluation the stop cut short is started again: each is completed, its result written, once)
     exports = published_export_steps(run_dir)              # every 10 steps, and the preemption's checkpoint
@@ -219,7 +231,8 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
         f"knn_step{step:07d}.json" for step in exports]
     # D. The fine-tuning at its time limit: its progress is its own checkpoint (RUN_DIR/finetune/...), so it is
     # requeued, resumes there and ends with every step logged once.
-    wait_until(lambda: cluster.job_state(finetuning) == "COMPLETED", "the fine-tuning's end", timeout=300)
+    wait_until(lambda: cluster.job_state(finetuning) == "COMPLETED", "the fine-tuning's end", timeout=300,
+               job=finetuning, log=finetuned / "jobs" / f"{finetuning}_0_log.err")
     stopped = job_log(finetuned, finetuning, "err")
     assert re.search(rf"time limit: checkpoint of step \d+ of finetune/\S+ saved; requeueing job {finetuning}", stopped)
     finetune_steps = [line["step"] for line in finetune_metrics()]
