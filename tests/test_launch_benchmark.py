@@ -17,14 +17,15 @@ from launch.cluster import LaunchError
 from tests.machine_speed import scaled
 from tests import forked_runs
 from tests.conftest import wait_for
+from tests.engine_helpers import SMALL_RESNET
 from tests.git_checkouts import this_checkouts_label
 from tests.run_helpers import ROOT, kill_process_tree
 
 CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
 RECIPE = str(ROOT / "configs/transfer/finetune_digits.yaml")
-# 8 px views and evaluation: the same jobs as the shipped files', each export scored in about a second
+# 8 px views and evaluation, the small ResNet: the same jobs as the shipped files', each export scored in under a second
 SMALL = ["data.batch_size=32", "data.num_workers=1", "data.views.0.size=8", "model.proj_hidden_dim=64",
-         "model.proj_out_dim=32", "engine.image_grid_every_steps=0"]
+         "model.proj_out_dim=32", "engine.image_grid_every_steps=0", *SMALL_RESNET]
 STANDARDISED_8PX = "standardised pixels (scikit-learn: tuned k-NN, logistic regression), 8 px"
 
 
@@ -37,8 +38,8 @@ def write_benchmark(path: Path, rows: list[dict], references: dict | None = None
 @pytest.mark.slow
 def test_a_benchmark_runs_its_rows_as_jobs_resumes_a_killed_one_and_tables_their_results(few_digits, tmp_path):
     data = [f"data.train={few_digits / 'train.beton'}", f"data.val={few_digits / 'val.beton'}"]
-    file = write_benchmark(tmp_path / "tiny.yaml", references={"config": CONFIG, "image_sizes": [8],
-                                                               "overrides": [*data, "data.num_workers=1"]}, rows=[
+    references = {"config": CONFIG, "image_sizes": [8], "overrides": [*data, "data.num_workers=1", *SMALL_RESNET]}
+    file = write_benchmark(tmp_path / "tiny.yaml", references=references, rows=[
         {"name": "simclr", "label": "SimCLR", "config": CONFIG, "overrides": [*data, *SMALL], "steps": 6, "marks": 6},
         {"name": "cross_entropy", "config": CONFIG, "overrides": [*data, *SMALL], "supervised": RECIPE,
          "supervised_overrides": ["data.label_fraction=100%", "data.batch_size=128"], "steps": 6, "marks": 6}],
