@@ -139,7 +139,7 @@ def job_log(run_dir: Path, job: str, stream: str = "out") -> str:
 
 
 def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_real_slurm_cluster(
-        cluster, digits, tmp_path):
+        cluster, digits, few_digits, tmp_path):
     """Four jobs side by side (they mostly wait for Slurm's signals and requeues, so together they take about the
     time of the longest):
 
@@ -167,9 +167,10 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
     run_dir, finetuned = tmp_path / "run", tmp_path / "finetuned"
     write_export(finetuned, digits)                         # a backbone to fine-tune (random: the job is the test)
     steps, export_steps = 30, [10, 20, 30]
-    [pretraining] = submitted(launch(
-        "pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}", f"engine.max_steps={steps}",
-        "engine.checkpoint_every_steps=10", *SLURM, "--time", "15", "--max-requeues", "0").stdout)
+    [pretraining] = submitted(launch(        # a quarter of the digits: the watcher's every k-NN costs a quarter
+        "pretrain", "--config", str(CONFIG), *TINY, *data(few_digits), f"run_dir={run_dir}",
+        f"engine.max_steps={steps}", "engine.checkpoint_every_steps=10", *SLURM, "--time", "15",
+        "--max-requeues", "0").stdout)
     [watcher] = submitted(launch("eval-watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "1",
                                  *SLURM, "--time", "1", "--signal-delay-s", "5").stdout)
     [finetuning] = submitted(launch("finetune", "--run", str(finetuned), "--config", str(FINETUNE_CONFIG),
@@ -284,9 +285,9 @@ def test_a_sweep_is_one_job_array_and_status_reads_every_run_on_a_real_slurm_clu
         assert f"pretrain {job}" in row and "3 (done)" in row and "COMPLETED" in row
 
 
-def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(cluster, digits, tmp_path):
+def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_cluster(cluster, few_digits, tmp_path):
     run_dir, broken = tmp_path / "run", tmp_path / "broken"
-    result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={run_dir}",
+    result = launch("pipeline", "--config", str(CONFIG), *TINY, *data(few_digits), f"run_dir={run_dir}",
                     "engine.max_steps=4", "engine.checkpoint_every_steps=2", "--watch-protocols", "knn",
                     "--final-protocols", "knn,linear", "--watch-poll-seconds", "3", *SLURM, "--time", "10")
     pretraining, watcher, final = submitted(result.stdout)
