@@ -10,7 +10,9 @@ For each method (SimCLR, SimSiam) and seed, two runs of the same recipe, scored 
   warm-up, then a cosine), with the weight decay on every parameter as lightly's examples have it, the recipe's
   batch and epochs; its backbone is written as this project's export.
 Both exports are scored by `python -m eval knn` (k = 20) and `python -m eval linear` on the 10,000 test images
-after every epoch; images/s is the median of the logged windows of each run (loader included).
+after every epoch; images/s is the median of the logged windows of each run (loader included). What still differs
+between the two sides (BatchNorm's batch first: the peer normalises each view on its own) is DIFFERENCES, printed
+under the table and kept in the JSON.
 
 lightly is the benchmark's optional extra, never the package's: `make bench-peers` installs it
 (`pip install --no-deps lightly==1.6.0 lightning-utilities`, over this project's torch and torchvision).
@@ -38,6 +40,18 @@ RECIPES = {   # the project's config and what the comparison sets on both sides
     "simsiam": ("configs/pretrain/simsiam_fashion_mnist.yaml", ["model.proj_layers=3"]),
 }
 LIGHTLY_INSTALL = "make bench-peers (pip install --no-deps lightly==1.6.0 lightning-utilities)"
+# What still differs between the two sides, printed under the table and kept in the JSON (docs/benchmarks.md).
+DIFFERENCES = [
+    "BatchNorm's batch: the peer (lightly's examples) passes each view through the backbone and the heads on its own, "
+    "so every BatchNorm normalises over the B images of one view; this project passes a view group's views together "
+    "(pretrain/methods/base.py: encode_view_groups), over 2B images, as google-research/simclr and "
+    "facebookresearch/simsiam do",
+    "weight decay: the peer decays every parameter, this project's configs leave norms and biases undecayed "
+    "(optim.decay_norm_and_bias=true decays them)",
+    "the SimCLR projector's last BatchNorm: affine in lightly's head, scale-only here (google-research/simclr)",
+    "the views: lightly's transform on PIL images through a torchvision DataLoader, this project's FFCV loader and "
+    "its own augmentations, at the recipe's settings",
+]
 
 
 def lightly_version() -> str:
@@ -238,10 +252,10 @@ def run_peers(args: argparse.Namespace) -> dict:
                     print(f"{method:<8}{library:<14}seed {seed} epoch {epoch}: k-NN {scores['knn']:.2f}%  linear "
                           f"{scores['linear']:.2f}%  {rows[-1]['images_per_s']:.0f} images/s", flush=True)
     table = summary_table(rows)
-    print("\n" + table)
+    print("\n" + table + "\n\nwhat still differs between the two sides:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
     return {"command": "peers", "epochs": args.epochs, "seeds": args.seeds, "lightly": version,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "rows": rows,
-            "table": table}
+            "table": table, "differences": DIFFERENCES}
 
 
 def summary_table(rows: list[dict]) -> str:
