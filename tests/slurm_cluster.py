@@ -167,17 +167,17 @@ class SlurmCluster:
 
     # ---- what the tests ask ----
     def job_state(self, job_id: str) -> str:
-        """The job's state as scontrol reports it (PENDING, RUNNING, COMPLETED, FAILED, ...); an AssertionError
-        naming the job when Slurm does not know it (never submitted, or its record purged after MinJobAge)."""
-        shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True)
-        for field in shown.stdout.split():
-            if field.startswith("JobState="):
-                return field.split("=", 1)[1]
-        raise AssertionError(f"Slurm does not know job {job_id}: {(shown.stderr or shown.stdout).strip()}")
+        """The job's state as scontrol reports it (PENDING, RUNNING, COMPLETED, FAILED, ...)."""
+        return scontrol_job(job_id)["JobState"]
 
     def restart_count(self, job_id: str) -> int:
-        shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True)
-        for field in shown.stdout.split():
-            if field.startswith("Restarts="):
-                return int(field.split("=", 1)[1])
-        return 0
+        return int(scontrol_job(job_id).get("Restarts", 0))
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields; an AssertionError naming the job when Slurm does not know it (never submitted,
+    or its record purged after MinJobAge)."""
+    shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True)
+    fields = dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field)
+    assert "JobState" in fields, f"Slurm does not know job {job_id}: {(shown.stderr or shown.stdout).strip()}"
+    return fields

@@ -26,7 +26,7 @@ from pretrain.export import published_export_steps
 from tests import forked_runs
 from tests.run_helpers import hand_computed_lr
 from tests.machine_speed import scaled, slowness
-from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import SlurmCluster, scontrol_job
 from tests.test_finetune import CONFIG as FINETUNE_CONFIG, write_export
 
 pytestmark = pytest.mark.slurm         # starts a real Slurm cluster on this machine (tests/slurm_cluster.py)
@@ -77,8 +77,9 @@ def wait_until(condition, what: str, timeout: float = 400, job: str | None = Non
 
     while not condition():
         assert time.time() < deadline, failure(f"timed out after {scaled(timeout):.0f} s waiting for {what}")
-        if job is not None and scontrol_job(job).get("JobState") in ENDED and not condition():
-            raise AssertionError(failure(f"job {job} ended ({scontrol_job(job)['JobState']}) before {what}"))
+        state = scontrol_job(job)["JobState"] if job is not None else None
+        if state in ENDED and not condition():
+            raise AssertionError(failure(f"job {job} ended ({state}) before {what}"))
         time.sleep(0.5)
 
 
@@ -89,15 +90,6 @@ def logged(run_dir: Path) -> list[dict]:
 
 def job_logs(run_dir: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "jobs").glob("*_log.*")))
-
-
-def scontrol_job(job_id: str) -> dict[str, str]:
-    """`scontrol show job`'s fields; an AssertionError when Slurm does not know the job (tests/slurm_cluster.py keeps
-    an ended job's record for MinJobAge)."""
-    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
-    fields = dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field)
-    assert "JobState" in fields, f"Slurm does not know job {job_id}: {(shown.stderr or shown.stdout).strip()}"
-    return fields
 
 
 def slurm_minutes(limit: str) -> int:
@@ -206,7 +198,7 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
         for job in [job for job, condition in ready.items() if condition()]:
             (check_the_checkpoint_then_requeue if job == time_limited else stop_with_usr2)(job)
             del ready[job]
-        ended = {job: scontrol_job(job).get("JobState") for job in ready}
+        ended = {job: cluster.job_state(job) for job in ready}
         ended = {job: state for job, state in ended.items() if state in ENDED}
         assert not ended, f"jobs ended before they could be stopped: {ended}"
         return not ready
@@ -276,7 +268,7 @@ def test_a_sweep_is_one_job_array_and_status_reads_every_run_on_a_real_slurm_clu
     runs = [sweep_dir / "tiny_lr0.1", sweep_dir / "tiny_lr0.2"]
     wait_until(lambda: all((run / "finished.json").is_file() for run in runs), "both runs of the sweep")
     # a run's finished.json comes a moment before its job ends
-    wait_until(lambda: all(scontrol_job(job).get("JobState") == "COMPLETED" for job in jobs), "both jobs to end")
+    wait_until(lambda: all(cluster.job_state(job) == "COMPLETED" for job in jobs), "both jobs to end")
     from pretrain.config import load_config
     assert [load_config(run / "config.yaml").optim.lr for run in runs] == [0.1, 0.2]
     status = launch("status", str(sweep_dir)).stdout.splitlines()
@@ -301,17 +293,17 @@ def test_pipeline_evaluates_only_after_pretraining_succeeded_on_a_real_slurm_clu
     assert scontrol_job(final)["Dependency"] == f"afterok:{pretraining}(unfulfilled)" or \
         scontrol_job(final)["JobState"] in ("RUNNING", "COMPLETED")
     wait_until(lambda: (run_dir / "eval/linear_step0000004.json").is_file(), "the final linear probe", job=final)
-    wait_until(lambda: scontrol_job(final).get("JobState") == "COMPLETED", "the final evaluation job")
+    wait_until(lambda: cluster.job_state(final) == "COMPLETED", "the final evaluation job")
     assert scontrol_job(final)["StartTime"] >= scontrol_job(pretraining)["EndTime"]   # only after pretraining
-    wait_until(lambda: scontrol_job(watcher).get("JobState") == "COMPLETED", "the watcher")
+    wait_until(lambda: cluster.job_state(watcher) == "COMPLETED", "the watcher")
     assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == \
         ["knn_step0000002.json", "knn_step0000004.json"]                      # the watcher's, each checkpoint
 
     # The failed pretraining: Slurm cancels the final job (kill-on-invalid-dep) and the watcher stops by itself,
     # naming the job: neither waits out its time limit.
-    wait_until(lambda: scontrol_job(failed).get("JobState") == "FAILED", "the failed pretraining")
-    wait_until(lambda: scontrol_job(failed_final).get("JobState") == "CANCELLED", "the final job's cancellation")
+    wait_until(lambda: cluster.job_state(failed) == "FAILED", "the failed pretraining")
+    wait_until(lambda: cluster.job_state(failed_final) == "CANCELLED", "the final job's cancellation")
     assert not (broken / "jobs" / f"{failed_final}_0_log.out").exists()           # it never ran
-    wait_until(lambda: scontrol_job(failed_watcher).get("JobState") == "FAILED", "the watcher's stop")
+    wait_until(lambda: cluster.job_state(failed_watcher) == "FAILED", "the watcher's stop")
     watcher_log = (broken / "jobs" / f"{failed_watcher}_0_log.err").read_text()
     assert f"the pretraining job {failed} has ended (FAILED) without finishing" in watcher_log
