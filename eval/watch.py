@@ -197,8 +197,23 @@ class WatcherStopped(BaseException):
         self.signum = signum
 
 
-def raise_stop(signum: int, frame) -> None:
-    raise WatcherStopped(signum)
+class StopSignals:
+    """The watcher's handler of its stop signals: it raises WatcherStopped where the signal lands, and keeps the
+    signal. Python drops an exception raised inside a finalizer (a `__del__`, a weakref callback: CI's watcher met
+    its time limit in numba's, "Exception ignored in ... on_disposal") and goes on; the kept signal is raised again
+    at the watcher's next check, between two evaluations."""
+
+    def __init__(self):
+        self.received: int | None = None
+
+    def __call__(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+        raise WatcherStopped(signum)
+
+    def check(self) -> None:
+        """Raise WatcherStopped for a signal received earlier whose exception was dropped."""
+        if self.received is not None:
+            raise WatcherStopped(self.received)
 
 
 def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = evaluate) -> int:
@@ -233,7 +248,8 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = ev
                   flush=True)
             reported_skips.add(step)
 
-    previous = {signum: signal.signal(signum, raise_stop) for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
+    stop_signals = StopSignals()
+    previous = {signum: signal.signal(signum, stop_signals) for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
     try:
         pending_signal = os.environ.pop(PENDING_STOP_SIGNAL, None)   # one that reached the job before this handler
         if pending_signal:
@@ -249,6 +265,7 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = ev
                 report_skip(step)
             last_of_step = {step: (step, protocol) for step, protocol in todo}   # the step's last protocol to run
             for step, protocol in todo:
+                stop_signals.check()
                 # Re-checked for each one: the run rotates old exports away (engine.keep_exports) while the
                 # watcher works through the list, possibly while one of them is being read.
                 if not export_path(run_dir, step).is_file():
@@ -266,6 +283,7 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = ev
                 if (step, protocol) == last_of_step[step]:
                     # the step's cached features (as large as the training set's features) are no longer needed
                     feature_cache_path(run_dir, step).unlink(missing_ok=True)
+            stop_signals.check()
             if todo:
                 continue                     # new exports may have appeared meanwhile
             if finished and not args.follow:

@@ -4,8 +4,9 @@ import os
 # Before torch loads its OpenMP (libgomp reads this once, at load): a thread that reaches a barrier sleeps instead of
 # spinning for its partners. With the default spin, a 2-thread step beside one busy process ran at 0.69 of its fair
 # share (its threads spin for a partner whose core is taken); passive, at 1.08, and no slower alone
-# (docs/benchmarks.md, "Training step"). A value already set (OMP_WAIT_POLICY=active) is kept. The eval, transfer and
-# launch packages import this package first, so every command gets it.
+# (docs/benchmarks.md, "Training step"). A value already set (OMP_WAIT_POLICY=active) is kept. The eval and transfer
+# packages and `python -m launch` import this package first, so every command gets it (launch/__init__ imports
+# nothing: a job's pickle loads fast, launch/__init__.py says why).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # ... after a short spin: libgomp's GOMP_SPINCOUNT (about 100,000 spins a millisecond) overrides the policy's count, 0
 # for PASSIVE. 1000 spins (~10 us) catch the next of the step's back-to-back small parallel regions without a wake-up,

@@ -57,7 +57,7 @@ def test_every_command_sets_openmp_to_sleep_at_barriers_before_torch_loads():
               "sys.meta_path.insert(0, SeeTorchLoad())\n"
               "import {package}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    for package in ("eval.__main__", "transfer", "launch"):       # each imports pretrain first
+    for package in ("eval.__main__", "transfer", "launch.__main__"):      # each imports pretrain first
         result = subprocess.run([sys.executable, "-c", script.format(package=package)], cwd=ROOT, env=env,
                                 capture_output=True, text=True, check=True)
         assert result.stdout.split()[:3] == ["PASSIVE", "1000", "False"], (package, result.stdout)

@@ -144,6 +144,36 @@ def test_a_stop_signal_mid_evaluation_stops_the_watcher_and_a_rerun_evaluates_ev
         "knn_step0000003.json", "knn_step0000006.json"]
 
 
+def test_a_stop_signal_whose_exception_python_dropped_in_a_finalizer_still_stops_the_watcher(few_digits, tmp_path):
+    """Python drops an exception raised inside a finalizer (`__del__`, a weakref callback) and goes on: CI's watcher
+    met its time-limit warning in numba's weakref callback ("Exception ignored in ... on_disposal"), evaluated on and
+    was killed at the limit. The handler keeps the signal: the watcher finishes the evaluation it was in and stops
+    before the next one."""
+    from eval.__main__ import build_parser
+    from eval.watch import evaluate, watch
+
+    run_dir = finished_run_with_exports(tmp_path / "run", few_digits, (3, 6))
+    evaluated = []
+
+    class WarnedWhenCollected:
+        def __del__(self):
+            signal.raise_signal(signal.SIGUSR2)     # the handler runs here, its WatcherStopped is dropped
+
+    def evaluate_warned_in_a_finalizer(argv):
+        evaluated.append(argv[argv.index("--checkpoint") + 1][-12:-4])
+        if len(evaluated) == 1:
+            WarnedWhenCollected()                   # collected at once; this evaluation goes on
+        evaluate(argv)
+
+    args = build_parser().parse_args(["watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "0.1",
+                                      "--image-size", "16", "--num-workers", "1"])
+    assert watch(args, evaluate=evaluate_warned_in_a_finalizer) == 128 + signal.SIGUSR2
+    assert evaluated == ["00000003"]                # ... before step 6
+    assert sorted(p.name for p in (run_dir / "eval").glob("knn_step*.json")) == ["knn_step0000003.json"]  # dropped
+    assert watch(args, evaluate=evaluate_warned_in_a_finalizer) == 0       # the requeued watcher goes on
+    assert evaluated == ["00000003", "00000006"]
+
+
 def test_a_second_watcher_is_told_to_leave_the_first_running_not_to_rename_the_run(tmp_path, capsys):
     """It used to be told to "start this one with another name=", which would not evaluate this run at all."""
     import subprocess

@@ -413,6 +413,26 @@ def test_a_jobs_progress_includes_the_fine_tuning_and_detection_runs_under_the_p
     assert job.progress() == {".": 500, "finetune/digits_10pct_export_step0000500": 80} != before
 
 
+def test_a_jobs_pickle_loads_without_torch_so_its_stop_signals_are_held_early():
+    """Between the job's start and `StageJob.__call__` nothing handles SIGUSR2: a time-limit warning there killed
+    the job, with no checkpoint and no requeue. Unpickling the job imported torch (launch/__init__ imported pretrain),
+    3-7 s of that window idle on a 2-core AVX2 machine and more than the 55 s of CI's 1-minute watcher job under load
+    (its fourth allocation died of "User defined signal 2" before printing a line). It now loads the standard library
+    alone."""
+    import pickle
+    import subprocess
+    import sys
+
+    from launch.jobs import StageJob, Step
+
+    job = pickle.dumps(StageJob([Step("eval", ["watch", "--run", "run"], distributed=False)], run_dir="run"))
+    loads = ("import pickle, sys; job = pickle.loads(sys.stdin.buffer.read()); "
+             "print(type(job).__name__, job.steps[0].stage, sorted(m for m in ('torch', 'numpy', 'pretrain') "
+             "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", loads], input=job, capture_output=True, cwd=ROOT, check=True)
+    assert loaded.stdout.decode().split() == ["StageJob", "eval", "[]"], loaded.stderr.decode()[-2000:]
+
+
 def test_only_time_limits_count_against_max_requeues_and_a_preemption_is_always_requeued(tmp_path, capsys):
     """A stop signal is a time limit when the allocation has run min(80%, all but 10 minutes) of --time, as
     submitit's has_timed_out decides; earlier it is a preemption (preempt_send_user_signal). Preemptions used to be
