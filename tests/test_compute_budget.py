@@ -3,6 +3,7 @@ forms, hard view selection's scoring pass counted apart, the run's model and ran
 steps a budget buys, the checkpoints spread over a run, and a budgeted DINO run end to end: it trains what its budget
 buys and ends its schedules there, and a resume with another budget is refused."""
 import json
+import math
 import random
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from torch import nn
 from pretrain.config import load_config
 from pretrain.data.views import ViewBatch
 from pretrain.methods import build_method
-from pretrain.runtime.compute_budget import (PFLOP, StepFlops, budgeted_steps, count_micro_batch_flops,
+from pretrain.runtime.compute_budget import (PFLOP, StepFlops, budgeted_steps, count_micro_batch_flops, schedule_length,
                                              counted_step_flops)
 from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.loop import evenly_spaced_steps
@@ -200,3 +201,46 @@ def test_a_budgeted_run_trains_the_steps_it_buys_ends_its_schedules_there_and_re
     assert lines[-1]["dino/teacher_momentum"] == pytest.approx(cosine_schedule(0.9, 1.0, 6)[-1])
     assert sorted(int(path.stem.removeprefix("backbone_step")) for path in (run_dir / "exports").glob("*.pth")) \
         == [2, 4, 6]
+
+
+def test_a_timed_step_sizes_the_schedule_to_the_steps_that_fit_in_the_minutes_and_the_options_that_clash_are_refused():
+    assert schedule_length(100, 89, 0.0, None, budget_s=60.0, step_seconds=0.7) == 85        # floor(60 / 0.7)
+    assert schedule_length(100, 89, 0.0, None, budget_s=0.5, step_seconds=0.7) == 1          # at least one step
+    assert schedule_length(100, 89, 0.0, None, budget_s=60.0) == 8900                        # not timed: epochs
+    with pytest.raises(ConfigError, match="engine.max_minutes, which is 0"):
+        load_config(None, ["optim.schedule_from_minutes=true"])
+    with pytest.raises(ConfigError, match="optim.budget_pflop=2 both size the schedules"):
+        load_config(None, ["optim.schedule_from_minutes=true", "engine.max_minutes=5", "optim.budget_pflop=2"])
+
+
+@pytest.mark.slow
+def test_a_schedule_sized_by_minutes_spans_the_steps_its_timed_step_fits_and_a_resume_keeps_that_time(digits, tmp_path):
+    """optim.schedule_from_minutes: the lr of every step is the cosine over the steps that 20 minutes fit at the step
+    time measured at the start (schedule.json), not over optim.epochs; stopped at step 3 (engine.max_steps) and
+    resumed, the run takes that time from its checkpoint instead of timing again, and another engine.max_minutes,
+    which would be another schedule, is refused by name."""
+    from tests import forked_runs
+
+    run_dir = tmp_path / "run"
+
+    def pretrain(*overrides: str, expect: int = 0):
+        return forked_runs.run("pretrain", ["--config", DINO, f"run_dir={run_dir}",
+                                            f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}",
+                                            *DINO_TINY, "hvs.enabled=false", "optim.schedule_from_minutes=true",
+                                            *overrides], expect=expect)
+
+    first = pretrain("engine.max_minutes=20", "engine.max_steps=3", "engine.checkpoint_every_steps=3")
+    record = json.loads((run_dir / "schedule.json").read_text())
+    assert record["sized_by"] == "minutes" and record["budget_minutes"] == 20 and record["step_seconds"] > 0
+    assert record["schedule_steps"] == math.floor(20 * 60 / record["step_seconds"]) != 100 * record["steps_per_epoch"]
+    assert "timed now" in first.stdout
+    second = pretrain("engine.max_minutes=20", "engine.max_steps=5")
+    assert "resumed" in second.stdout and "timed at the run's start (kept in its checkpoint)" in second.stdout
+    assert json.loads((run_dir / "schedule.json").read_text()) == {**record, "last_step": 5}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(DINO, DINO_TINY)
+    lr = cosine_schedule(cfg.optim.lr * 16 / 256, cfg.optim.min_lr, record["schedule_steps"])
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert [line["train/lr"] for line in lines] == pytest.approx(lr[:5].tolist())
+    refused = pretrain("engine.max_minutes=30", "engine.max_steps=6", expect=2)
+    assert "the optimizer steps every schedule spans (a timed schedule: engine.max_minutes changed) was" in refused.stderr

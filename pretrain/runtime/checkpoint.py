@@ -45,6 +45,8 @@ RUN_LAYOUT = {
     "budget_pflop": "the compute budget in PFLOP (optim.budget_pflop, 0: none)",
     "flops_per_step": "the FLOPs counted for one optimizer step (0: not counted; the model, the views or hard view "
                       "selection changed)",
+    "schedule_step_seconds": "the step time the schedule was sized from (optim.schedule_from_minutes; 0: not timed)",
+    "schedule_steps": "the optimizer steps every schedule spans (a timed schedule: engine.max_minutes changed)",
 }
 
 
@@ -52,13 +54,27 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as it is; the message says why and what to do."""
 
 
-def run_layout(options, world_size: int, num_images: int, flops_per_step: int = 0) -> dict[str, int | float]:
+def run_layout(options, world_size: int, num_images: int, flops_per_step: int = 0, schedule_step_seconds: float = 0.0,
+               schedule_steps: int = 0) -> dict[str, int | float]:
     """The settings of RUN_LAYOUT for this start; `options`: the loop's (`pretrain.runtime.loop.LoopOptions`);
     `flops_per_step`: the count of a compute-budgeted run (pretrain/runtime/compute_budget.py), which a resumed run
-    takes again."""
+    takes again; `schedule_step_seconds`: the timed step of a schedule sized by minutes, which a resumed run takes from
+    its checkpoint (`timed_step_of_checkpoint`); `schedule_steps`: the schedule's length."""
     return {"world_size": world_size, "batch_size": options.batch_size, "grad_accum": options.grad_accum,
             "num_images": num_images, "epochs": options.epochs, "seed": options.seed,
-            "budget_pflop": options.budget_pflop, "flops_per_step": flops_per_step}
+            "budget_pflop": options.budget_pflop, "flops_per_step": flops_per_step,
+            "schedule_step_seconds": schedule_step_seconds, "schedule_steps": schedule_steps}
+
+
+def timed_step_of_checkpoint(checkpoint_dir: Path) -> float:
+    """The step time a resumed run's schedule was sized from: the newest complete checkpoint's that can be read
+    (0.0 without one, or when its schedule was not sized by a timed step)."""
+    for checkpoint in complete_checkpoints(checkpoint_dir):
+        try:
+            return float(json.loads((checkpoint / TRAINER_STATE).read_text()).get("schedule_step_seconds", 0.0))
+        except (OSError, ValueError):
+            continue              # the loader falls back to an older checkpoint too: the same run, the same schedule
+    return 0.0
 
 
 def describe_write_error(error: Exception, directory: Path) -> str:

@@ -1,5 +1,6 @@
-"""The length of a run's schedule, decided once (`schedule_length`): optim.epochs x steps per epoch, or the optimizer
-steps that a compute budget buys (optim.budget_pflop, counted FLOPs).
+"""The length of a run's schedule, decided once (`schedule_length`): optim.epochs x steps per epoch, the optimizer
+steps that a compute budget buys (optim.budget_pflop, counted FLOPs), or those that a time budget fits at a step time
+measured at the start (optim.schedule_from_minutes with engine.max_minutes).
 
 Why a budget in counted compute: a wall-clock budget (engine.max_minutes) with a schedule sized in epochs from an
 earlier speed is not equal compute, and its schedule does not end at the budget (the Fashion-MNIST selection study
@@ -25,6 +26,16 @@ queues) and no random draw of the run changes. A fresh task's step is what is co
 (its similarities to the queue are left out), and work a task does only on some steps (s-MoCo's drift probe) is not
 in it.
 
+A time budget sized by a timed step (optim.schedule_from_minutes): the schedules span floor(engine.max_minutes x 60 /
+the seconds of one optimizer step), the step timed at the start (`timed_step_seconds`) on a task built for it, as the
+count is: one micro-batch untimed (compilation, allocation, the loader's workers starting), then TIMED_MICRO_BATCHES
+timed, each from the wait for its batch to the optimizer's update, in the run's precision, times optim.grad_accum;
+the slowest process's time. Not timed: DeepSpeed's reduction of the gradients between processes, and the work of the
+steps that log. The machine's speed moves during a run (20% between runs of the Fashion-MNIST study), so the run
+still ends at whichever comes first, its schedule's end or its minutes; `launch benchmark` flags a run that trained
+less than 95% of its schedule or of its minutes. The measured time is kept in the checkpoint: a resumed run takes it
+from there rather than timing again (another time would be another schedule).
+
 RUN_DIR/schedule.json, written on rank 0 at every start (`record_schedule`), says how long the schedule is and what
 decided it; its readers are the benchmark's table (launch/benchmark_results.py: the share of its schedule each run
 trained, the PFLOP it trained). The checkpoint's run layout (pretrain/runtime/checkpoint.py) keeps the budget and the
@@ -35,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -42,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -143,26 +156,77 @@ def budgeted_steps(budget_pflop: float, step: StepFlops) -> int:
     return steps
 
 
-def schedule_length(epochs: int, steps_per_epoch: int, budget_pflop: float, step: StepFlops | None) -> int:
+def schedule_length(epochs: int, steps_per_epoch: int, budget_pflop: float, step: StepFlops | None,
+                    budget_s: float = 0.0, step_seconds: float = 0.0) -> int:
     """The optimizer steps every schedule of the run spans: with a compute budget (> 0), what it buys at `step`'s
-    count (`budgeted_steps`); else `epochs` x `steps_per_epoch`."""
+    count (`budgeted_steps`); with a timed step (`step_seconds` > 0), the steps that fit in `budget_s` at that time,
+    at least one; else `epochs` x `steps_per_epoch`."""
     if budget_pflop > 0:
         if step is None:
             raise ValueError("a compute budget needs the count of a step: counted_step_flops")
         return budgeted_steps(budget_pflop, step)
+    if step_seconds > 0:
+        return max(1, math.floor(budget_s / step_seconds))
     return epochs * steps_per_epoch
 
 
+TIMED_MICRO_BATCHES = 3
+
+
+def timed_step_seconds(stage, loader, steps_per_epoch: int, device: torch.device, rank: int, bf16: bool,
+                       peak_lr: float) -> float:
+    """The seconds of one optimizer step of `stage`'s run (the module docstring says what is timed): epoch 0's first
+    micro-batches through a task and an optimizer built for the measure, the random generators restored after it;
+    the slowest process's time (one all-reduce)."""
+    options = stage.options
+    with random_generators_restored(device):
+        task = stage.build_task(steps_per_epoch, 1, device).to(device)
+        optimizer = stage.build_optimizer(task, peak_lr)
+        task.train()
+
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+        seconds = []
+        with closing(loader.epoch(0)) as batches:
+            for index in range(1 + TIMED_MICRO_BATCHES):
+                started = time.perf_counter()
+                batch = next(batches, None)
+                if batch is None:            # an epoch shorter than the measure: what was timed
+                    break
+                result = task.batch_loss(task, batch, BatchPosition(options.seed, rank, 0, index), autocast)
+                result.loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if index > 0:
+                    seconds.append(time.perf_counter() - started)
+        del task, optimizer, batch, result
+    step_s = torch.tensor([options.grad_accum * (sum(seconds) / len(seconds) if seconds else 0.0)],
+                          dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    if not step_s.item() > 0:
+        raise ConfigError("optim.schedule_from_minutes=true: the training set has too few micro-batches to time a "
+                          f"step ({1 + TIMED_MICRO_BATCHES} needed, the first one untimed); size the schedule with "
+                          "optim.epochs (optim.schedule_from_minutes=false)")
+    return step_s.item()
+
+
 def record_schedule(run_dir: Path, schedule_steps: int, steps_per_epoch: int, last_step: int, budget_pflop: float,
-                    step: StepFlops | None) -> None:
+                    step: StepFlops | None, step_seconds: float = 0.0, budget_minutes: float = 0.0) -> None:
     """Write RUN_DIR/schedule.json (rank 0, at every start; a resumed run's holds the same schedule, the layout check
     saw to it): `schedule_steps`, the optimizer steps every schedule spans; `steps_per_epoch`, the loader's;
     `last_step`, where the run ends unless a time budget or a signal stops it first (engine.max_steps may end it
     before its schedule); `budget_pflop`, the compute budget (0: none, the schedule is optim.epochs');
     `flops_per_step`, the count of one optimizer step of the whole run, {selection, training, total} (null: not
-    counted, without a budget), and what counted it."""
+    counted, without a budget), and what counted it; `sized_by` (epochs, pflop or minutes) and, sized by minutes,
+    `step_seconds`, the timed step, and `budget_minutes`, engine.max_minutes."""
+    sized_by = "pflop" if budget_pflop > 0 else "minutes" if step_seconds > 0 else "epochs"
     record = {"schedule_steps": schedule_steps, "steps_per_epoch": steps_per_epoch, "last_step": last_step,
-              "budget_pflop": budget_pflop,
+              "sized_by": sized_by, "budget_pflop": budget_pflop,
+              **({"step_seconds": step_seconds, "budget_minutes": budget_minutes} if sized_by == "minutes" else {}),
               "flops_per_step": None if step is None else {**asdict(step), "total": step.total},
               "counted_by": None if step is None else COUNTED_BY}
     write_text_atomically(run_dir / SCHEDULE_RECORD, json.dumps(record, indent=1) + "\n")

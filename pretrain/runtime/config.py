@@ -45,6 +45,11 @@ class OptimConfig:
     # `epochs`: every schedule spans the optimizer steps it buys, floor(budget / the FLOPs counted for one step), and
     # the run ends there (pretrain/runtime/compute_budget.py). 0: the schedules span `epochs`.
     budget_pflop: float = 0.0
+    # With a time budget (engine.max_minutes), size every schedule from a step time measured at the start instead of
+    # `epochs`: the optimizer steps that fit in the minutes (pretrain/runtime/compute_budget.py: `timed_step_seconds`).
+    # The machine's speed moves during a run, so the run may still end short of its schedule or of its minutes;
+    # `launch benchmark` flags either below 95%.
+    schedule_from_minutes: bool = False
     momentum: float = 0.9
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1e-4
@@ -277,6 +282,14 @@ def check_optim_keys(cfg: DictConfig) -> None:
     if optim.min_lr > optim.lr:
         raise ConfigError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}: the cosine decays from optim.lr "
                           "to min_lr")
+    if optim.get("schedule_from_minutes", False):
+        if not cfg.engine.get("max_minutes", 0) > 0:
+            raise ConfigError("optim.schedule_from_minutes=true sizes the schedules from engine.max_minutes, which is "
+                              "0: set engine.max_minutes=MINUTES, or optim.schedule_from_minutes=false to size them "
+                              "with optim.epochs")
+        if optim.get("budget_pflop", 0) > 0:
+            raise ConfigError(f"optim.schedule_from_minutes=true and optim.budget_pflop={optim.budget_pflop:g} both "
+                              "size the schedules: keep one (a compute budget is the same on every machine)")
     if optim.lr_schedule != "step":
         return
     milestones = list(optim.lr_milestones)

@@ -52,9 +52,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pretrain.runtime.checkpoint import Checkpointer, run_layout
+from pretrain.runtime.checkpoint import Checkpointer, run_layout, timed_step_of_checkpoint
 from pretrain.runtime.compute_budget import (PFLOP, SCHEDULE_RECORD, counted_step_flops, record_schedule,
-                                             schedule_length)
+                                             schedule_length, timed_step_seconds)
 from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native, emulated_bf16_warning
 from pretrain.runtime.cpu_threads import configure_threads
 from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
@@ -293,15 +293,26 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     steps_per_epoch = len(loader) // options.grad_accum
     step_flops = counted_step_flops(stage, loader, steps_per_epoch, device, rank, world_size) \
         if options.budget_pflop > 0 else None
+    global_batch = options.batch_size * world_size * options.grad_accum
+    step_seconds, timed_now = 0.0, False
+    if options.schedule_from_minutes:       # a resumed run's from its checkpoint: timing again would change it
+        step_seconds = timed_step_of_checkpoint(stage.run_dir / "checkpoints")
+        if not step_seconds:
+            peak_lr = stage.schedules(steps_per_epoch, options.epochs * steps_per_epoch, global_batch).peak_lr
+            step_seconds = timed_step_seconds(stage, loader, steps_per_epoch, device, rank,
+                                              uses_bf16(options, device), peak_lr)
+            timed_now = True
     # Every schedule spans these steps: the lr and weight decay, the task's own (DINO's teacher momentum), the run.
-    schedule_steps = schedule_length(options.epochs, steps_per_epoch, options.budget_pflop, step_flops)
+    schedule_steps = schedule_length(options.epochs, steps_per_epoch, options.budget_pflop, step_flops,
+                                     60 * options.max_minutes, step_seconds)
     task = place_task(stage.build_task(steps_per_epoch, schedule_steps, device), options, world_size, device)
-    schedules = stage.schedules(steps_per_epoch, schedule_steps, options.batch_size * world_size * options.grad_accum)
+    schedules = stage.schedules(steps_per_epoch, schedule_steps, global_batch)
     optimizer = stage.build_optimizer(task, schedules.peak_lr)
     engine, optimizer, gradient_edits = initialize_engine(task, optimizer, options)
 
     # ==== resume: the newest checkpoint that loads, else a fresh start ====
-    layout = run_layout(options, world_size, loader.num_images, step_flops.total if step_flops else 0)
+    layout = run_layout(options, world_size, loader.num_images, step_flops.total if step_flops else 0, step_seconds,
+                        schedule_steps)
     checkpointer = Checkpointer(engine, task, stage, layout)
     resumed_at = checkpointer.resume()
     epoch, batch_in_epoch, trained_seconds = resumed_at or (0, 0, 0.0)
@@ -317,7 +328,13 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
     stop_step = min(schedule_steps, options.max_steps) if options.max_steps > 0 else schedule_steps
     if rank == 0:       # every start, each resume too: what code and which machine trained from this step on
         record_start(stage.run_dir, engine.global_steps if resumed_at is not None else 0)
-        record_schedule(stage.run_dir, schedule_steps, steps_per_epoch, stop_step, options.budget_pflop, step_flops)
+        record_schedule(stage.run_dir, schedule_steps, steps_per_epoch, stop_step, options.budget_pflop, step_flops,
+                        step_seconds, options.max_minutes if step_seconds else 0.0)
+        if step_seconds:
+            timed = "timed now" if timed_now else "timed at the run's start (kept in its checkpoint)"
+            print(f"time budget: {options.max_minutes:g} minutes fit {schedule_steps} optimizer steps "
+                  f"({schedule_steps / steps_per_epoch:.4g} epochs) of {step_seconds:.4g} s each, {timed}; every "
+                  f"schedule spans them ({stage.run_dir / SCHEDULE_RECORD})", flush=True)
         if step_flops is not None:
             print(f"compute budget: {options.budget_pflop:g} PFLOP buys {schedule_steps} optimizer steps "
                   f"({schedule_steps / steps_per_epoch:.4g} epochs) of {step_flops.total / PFLOP:.6g} PFLOP each, "

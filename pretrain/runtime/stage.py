@@ -33,6 +33,7 @@ class LoopOptions:
     zero_stage: int = 0
     precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
     budget_pflop: float = 0.0       # the schedules' length in counted compute, in place of epochs (0: epochs)
+    schedule_from_minutes: bool = False   # the schedules' length from a timed step and max_minutes, in place of epochs
     max_steps: int = 0              # stop after this many optimizer steps (0: all epochs); schedules span all
     max_minutes: float = 0.0        # stop after this many minutes of training (TrainingClock; 0: no time budget)
     log_every_steps: int = 10
@@ -53,7 +54,8 @@ class LoopOptions:
         return cls(epochs=optim.epochs, batch_size=cfg.data.batch_size, grad_accum=optim.grad_accum,
                    grad_clip=float(optim.grad_clip), grad_clip_per_parameter=float(optim.grad_clip_per_parameter),
                    seed=cfg.seed, zero_stage=engine.zero_stage, precision=engine.precision,
-                   budget_pflop=float(optim.get("budget_pflop", 0.0)), max_steps=engine.max_steps,
+                   budget_pflop=float(optim.get("budget_pflop", 0.0)),
+                   schedule_from_minutes=bool(optim.get("schedule_from_minutes", False)), max_steps=engine.max_steps,
                    max_minutes=float(engine.get("max_minutes", 0.0)),
                    log_every_steps=engine.log_every_steps, print_every_steps=engine.print_every_steps,
                    checkpoint_every_steps=engine.checkpoint_every_steps,
