@@ -29,9 +29,9 @@ in it.
 A time budget sized by a timed step (optim.schedule_from_minutes): the schedules span floor(engine.max_minutes x 60 /
 the seconds of one optimizer step), the step timed at the start (`timed_step_seconds`) on a task built for it, as the
 count is: one micro-batch untimed (compilation, allocation, the loader's workers starting), then TIMED_MICRO_BATCHES
-timed, each from the wait for its batch to the optimizer's update, in the run's precision, times optim.grad_accum;
-the slowest process's time. Not timed: DeepSpeed's reduction of the gradients between processes, and the work of the
-steps that log. The machine's speed moves during a run (20% between runs of the Fashion-MNIST study), so the run
+timed, each from the wait for its batch to the optimizer's update (on several processes the gradients' reduction
+too, as one flat all-reduce), in the run's precision, times optim.grad_accum; the slowest process's time. Not timed:
+DeepSpeed's own work around the step (its buckets, ZeRO's partitions) and the work of the steps that log. The machine's speed moves during a run (20% between runs of the Fashion-MNIST study), so the run
 still ends at whichever comes first, its schedule's end or its minutes; `launch benchmark` flags a run that trained
 less than 95% of its schedule or of its minutes. The measured time is kept in the checkpoint: a resumed run takes it
 from there rather than timing again (another time would be another schedule).
@@ -179,6 +179,7 @@ def timed_step_seconds(stage, loader, steps_per_epoch: int, device: torch.device
     micro-batches through a task and an optimizer built for the measure, the random generators restored after it;
     the slowest process's time (one all-reduce)."""
     options = stage.options
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     with random_generators_restored(device):
         task = stage.build_task(steps_per_epoch, 1, device).to(device)
         optimizer = stage.build_optimizer(task, peak_lr)
@@ -196,6 +197,12 @@ def timed_step_seconds(stage, loader, steps_per_epoch: int, device: torch.device
                     break
                 result = task.batch_loss(task, batch, BatchPosition(options.seed, rank, 0, index), autocast)
                 result.loss.backward()
+                if distributed:              # the gradients' reduction, one flat all-reduce (DeepSpeed buckets them)
+                    grads = [p.grad for p in task.parameters() if p.grad is not None]
+                    flat = torch.cat([g.flatten() for g in grads])
+                    dist.all_reduce(flat)
+                    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                        grad.copy_(reduced.view_as(grad)).div_(dist.get_world_size())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
@@ -205,7 +212,7 @@ def timed_step_seconds(stage, loader, steps_per_epoch: int, device: torch.device
         del task, optimizer, batch, result
     step_s = torch.tensor([options.grad_accum * (sum(seconds) / len(seconds) if seconds else 0.0)],
                           dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed:
         dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
     if not step_s.item() > 0:
         raise ConfigError("optim.schedule_from_minutes=true: the training set has too few micro-batches to time a "
