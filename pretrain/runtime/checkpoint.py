@@ -66,12 +66,17 @@ def run_layout(options, world_size: int, num_images: int, flops_per_step: int = 
             "schedule_step_seconds": schedule_step_seconds, "schedule_steps": schedule_steps}
 
 
+def read_trainer_state(checkpoint: Path) -> dict:
+    """A checkpoint's trainer_state.json: its step, data position, clock and run layout."""
+    return json.loads((checkpoint / TRAINER_STATE).read_text())
+
+
 def timed_step_of_checkpoint(checkpoint_dir: Path) -> float:
     """The step time a resumed run's schedule was sized from: the newest complete checkpoint's that can be read
     (0.0 without one, or when its schedule was not sized by a timed step)."""
     for checkpoint in complete_checkpoints(checkpoint_dir):
         try:
-            return float(json.loads((checkpoint / TRAINER_STATE).read_text()).get("schedule_step_seconds", 0.0))
+            return float(read_trainer_state(checkpoint).get("schedule_step_seconds", 0.0))
         except (OSError, ValueError):
             continue              # the loader falls back to an older checkpoint too: the same run, the same schedule
     return 0.0
@@ -209,7 +214,7 @@ class Checkpointer:
                 if reasons and dist.get_rank() == 0:
                     print(f"resuming from {candidate.name}, the newest checkpoint that loads; skipped "
                           + "; ".join(reasons), flush=True)
-                return json.loads((candidate / TRAINER_STATE).read_text()), client_state
+                return read_trainer_state(candidate), client_state
             reasons.append(f"{candidate.name} ({reason or 'it failed to load on another process'})")
         raise CheckpointError(
             f"none of the {len(candidates)} checkpoints in {checkpoint_dir} can be resumed: " + "; ".join(reasons)
@@ -218,7 +223,7 @@ class Checkpointer:
 
 
 def check_layout(checkpoint: Path, layout: dict[str, int | float]) -> None:
-    saved = json.loads((checkpoint / TRAINER_STATE).read_text())
+    saved = read_trainer_state(checkpoint)
     changed = [f"{RUN_LAYOUT[key]} was {saved[key]} and is now {layout[key]}"
                for key in RUN_LAYOUT if key in saved and saved[key] != layout[key]]
     if changed:

@@ -60,6 +60,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pretrain.runtime.atomic_write import write_text_atomically
 from pretrain.runtime.config_error import ConfigError
+from pretrain.runtime.stage import forward_autocast
 from pretrain.runtime.task import BatchPosition, TrainingTask
 
 PFLOP = 10 ** 15
@@ -184,10 +185,7 @@ def timed_step_seconds(stage, loader, steps_per_epoch: int, device: torch.device
         task = stage.build_task(steps_per_epoch, 1, device).to(device)
         optimizer = stage.build_optimizer(task, peak_lr)
         task.train()
-
-        def autocast():
-            return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-
+        autocast = forward_autocast(device.type, bf16)
         seconds = []
         with closing(loader.epoch(0)) as batches:
             for index in range(1 + TIMED_MICRO_BATCHES):

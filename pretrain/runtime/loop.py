@@ -67,7 +67,7 @@ from pretrain.runtime.monitor import TrainingMonitor
 from pretrain.runtime.optim import Schedules, set_schedule_values
 from pretrain.runtime.provenance import record_start
 from pretrain.runtime.run_lock import locked_run_directory
-from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config, uses_bf16
+from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config, forward_autocast, uses_bf16
 from pretrain.runtime.task import BatchLoss, BatchPosition, Scalar, TrainingTask, scalar_value
 
 
@@ -116,14 +116,7 @@ def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, 
     Raises NonFiniteLoss, on every rank, before the backward of a loss that is NaN or inf on any rank: the
     parameters stay those of the last step.
     """
-    device_type = next(engine.module.parameters()).device.type
-
-    # A fresh autocast region for every forward the task runs: autocast caches the bf16 copy of each weight for
-    # its whole region, and under ZeRO-3, which gathers and releases the parameters around every forward, copies
-    # cached in one forward break the next one's backward.
-    def autocast():
-        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
-
+    autocast = forward_autocast(next(engine.module.parameters()).device.type, bf16)   # a fresh region per forward
     result = task.batch_loss(engine, batch, position, autocast)
     with record_function("hardview/finite_loss_check"):
         if not finite_on_every_rank(result.loss):

@@ -5,7 +5,7 @@ stage whose config has the shared `optim.*` / `engine.*` schema; the DeepSpeed c
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,6 +70,14 @@ class LoopOptions:
 def uses_bf16(options: LoopOptions, device: torch.device) -> bool:
     """Whether a run's forwards run under bf16 autocast on `device` (engine.precision; auto: on GPUs)."""
     return options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda")
+
+
+def forward_autocast(device_type: str, bf16: bool) -> Callable[[], torch.autocast]:
+    """The `autocast` a task's `batch_loss` opens around each of its forwards: a fresh bf16 autocast region on
+    `device_type` at every call (disabled without `bf16`). Autocast caches the bf16 copy of each weight for its whole
+    region, and under ZeRO-3, which gathers and releases the parameters around every forward, copies cached in one
+    forward break the next one's backward."""
+    return lambda: torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def deepspeed_config(options: LoopOptions, bf16: bool) -> dict:
