@@ -4,7 +4,7 @@
 # make test-fast  the unit tier only: the tests not marked slow or slurm (about a minute on an AVX-512 EPYC, 5 on an AVX2-only one)
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
 # make bench-peers  installs lightly (the peer library, not a dependency of the package), then this project against it on Fashion-MNIST
-# make gpu-check  on a machine with a CUDA GPU: the GPU-only tests (tests/gpu), then the GPU throughput table
+# make gpu-check  on a machine with a CUDA GPU: the GPU-only tests, the step against a plain loop, the GPU throughput (8 min)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -34,10 +34,17 @@ demo-detection: install
 	$(PY) -m launch.demo --detection
 
 # Both pytests scale their waits by one factor measured here first (tests/machine_speed.py: a reference step against
-# the CPU the suite was tuned on). The real-Slurm tests (-m slurm) spend most of their minutes (4-8) waiting for the scheduler (1-minute time limits,
-# requeues, KillWait): they run in a pytest of their own beside the others, their report printed after the others'.
-# The suite fails when either fails. (A background job of make's shell starts with Ctrl-C ignored: its pytest takes
-# Ctrl-C back, so that it stops its Slurm cluster on an interrupt as the others' pytest does.)
+# the CPU the suite was tuned on). The real-Slurm tests (-m slurm) spend most of their minutes (4-8) waiting for the
+# scheduler (time limits of minutes, requeues, KillWait): they run in a pytest of their own beside the others, their
+# report printed after the others'.
+# The suite fails when either fails. The others run in two pytest workers (pytest-xdist), each test file in one of
+# them (--dist loadfile: a file's module-scoped fixtures are built once): one pytest left the 2 cores idle more than
+# half the time (waiting on the processes and jobs it starts: user + sys 191 s in 336 s of wall on two test files
+# of the AVX2-only EPYC), and two workers took 850 s for what one took 1,634 s (docs/tests.md). (A background job
+# of make's shell starts with Ctrl-C ignored: its pytest takes Ctrl-C back, so that it stops its Slurm cluster on an
+# interrupt as the others' pytest does.) `make test TEST_WORKERS=N` sets the others' workers.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
 SLURM_TESTS := import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(["-m", "slurm"]))
 test: install
 	@slowness=$${HARDVIEW_TEST_SLOWNESS:-$$($(PY) -m tests.machine_speed)} || exit 1; \
@@ -46,14 +53,14 @@ test: install
 	slurm_log=$$(mktemp); \
 	$(PY) -c '$(SLURM_TESTS)' > $$slurm_log 2>&1 & slurm_tests=$$!; \
 	trap 'kill -INT $$slurm_tests 2>/dev/null; wait $$slurm_tests; cat $$slurm_log; rm -f $$slurm_log; exit 130' INT TERM; \
-	$(PY) -m pytest -m "not slurm"; others=$$?; \
+	$(PY) -m pytest -m "not slurm" $(PYTEST_WORKERS); others=$$?; \
 	wait $$slurm_tests; slurm=$$?; \
 	echo "== the real-Slurm tests (pytest -m slurm), run beside the others:"; cat $$slurm_log; rm -f $$slurm_log; \
 	echo "== pytest -m 'not slurm': exit status $$others; pytest -m slurm: exit status $$slurm"; \
 	test $$others = 0 -a $$slurm = 0
 
 test-fast: install
-	$(PY) -m pytest -m "not slow and not slurm"
+	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_WORKERS)
 
 bench: install
 	$(PY) -m pretrain.bench loader
@@ -67,8 +74,7 @@ bench-peers: install
 
 gpu-check: install
 	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on a machine with one; the CPU tests are make test.')"
-	HARDVIEW_GPU_TESTS=1 $(PY) -m pytest tests/gpu
-	$(PY) -m pretrain.bench gpu
+	$(PY) -m pretrain.bench gpu-check
 
 clean-runs:
 	rm -rf runs/demo

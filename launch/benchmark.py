@@ -93,7 +93,8 @@ from typing import ClassVar
 from eval.results import made_by
 from eval.training_code import compare_training_code
 from launch.benchmark_file import Row, check_data, check_same_benchmark, load_benchmark, select_rows, select_seeds
-from launch.benchmark_results import markdown, paired_differences, plot, read_run, row_code_states, summarise
+from launch.benchmark_results import paired_differences, read_run, row_code_states, summarise
+from launch.benchmark_table import markdown, plot
 from launch.cluster import add_cluster_arguments, cluster_options
 from launch.eval_watch import split
 from launch.jobs import Step
@@ -181,8 +182,8 @@ def run(args: argparse.Namespace, row_jobs: type[BenchmarkJobs] = BenchmarkJobs)
 
 def write_results(args: argparse.Namespace, rows: list[Row], runs: dict[tuple[str, int], Path], out_dir: Path,
                   comparisons: tuple[tuple[str, str], ...] = ()) -> int:
-    """table.md (printed), table.json and curves.png of the finished runs: every run after the jobs; with
-    --finished-only, the (row, seed) runs finished so far, each row over its finished seeds, the others named.
+    """table.md (printed), table.json, curves.png and (rows with a compute budget) curves_pflop.png of the finished
+    runs: every run after the jobs; with --finished-only, the (row, seed) runs finished so far, each row over its finished seeds, the others named.
     Each row shows the commits its runs trained at, the table's top says when they mix training code, and the
     file's comparisons get their paired differences."""
     entries, not_finished, code = [], [], {}
@@ -211,7 +212,11 @@ def write_results(args: argparse.Namespace, rows: list[Row], runs: dict[tuple[st
         {"made_by": stamp, "file": args.file, "mixed_code": mixed.mixed, "code_warnings": list(mixed.warnings),
          "not_finished": not_finished, "comparisons": paired, "rows": entries}, indent=1) + "\n")
     plot(entries, out_dir / "curves.png", f"{args.file}, commit {commit}")
-    print(f"results: {out_dir / 'table.md'}, {out_dir / 'table.json'}, {out_dir / 'curves.png'}")
+    plots = [out_dir / "curves.png"]
+    if any("pflop" in point for entry in entries for point in (entry.get("curve") or {}).get("linear", [])):
+        plot(entries, out_dir / "curves_pflop.png", f"{args.file}, commit {commit}", x_axis="pflop")
+        plots.append(out_dir / "curves_pflop.png")
+    print(f"results: {out_dir / 'table.md'}, {out_dir / 'table.json'}, {', '.join(map(str, plots))}")
     return 0
 
 

@@ -4,7 +4,8 @@ reference's raw-pixel, random-init and standardised-pixel rows), the machine's s
 schedule it trained and the compute it counted (`schedule_trained`), and the code that trained it (`row_code_states`),
 and the rows summarised into the table (Markdown and JSON: each row's mean, std and 95% t interval over its seeds, the
 paired differences the file asks for, eval/statistics.py; the runs whose schedule was cut or ended before the budget,
-flagged: `schedule_flags`) and the plot of accuracy against minutes of training."""
+flagged: `schedule_flags`; what hard view selection chose). launch/benchmark_table.py shows them: table.md and the
+plots."""
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from eval.results import result_path
-from eval.statistics import paired_difference, summary_record, summary_text
-from eval.training_code import commits_cell, read_code_states, states_of
+from eval.statistics import paired_difference, summary_record
+from eval.training_code import read_code_states
 from launch.benchmark_file import Row
 from launch.trials import read_lines
 from pretrain.runtime.compute_budget import PFLOP, read_schedule
@@ -43,6 +44,7 @@ class Run:
     points: list[dict]                   # {key, step, minutes, knn, linear}, by minutes
     machine: dict = field(default_factory=dict)
     schedule: dict = field(default_factory=dict)    # {schedule_steps, steps, pflop}; {}: not recorded
+    selection: dict = field(default_factory=dict)   # hard view selection's scalars, means over the logged steps
 
     @property
     def final(self) -> dict:
@@ -70,6 +72,22 @@ def schedule_trained(run_dir: Path, steps: int) -> dict:
     flops = record.get("flops_per_step")
     return {"schedule_steps": record["schedule_steps"], "steps": steps,
             "pflop": None if flops is None else steps * flops["total"] / PFLOP}
+
+
+# Hard view selection's scalars (pretrain/hvs.py: selection_stats) that the table's "chosen views" section shows
+SELECTION_SCALARS = ("selected_loss", "mean_pair_loss", "selected_iou", "mean_pair_iou", "selected_scale",
+                     "mean_pair_scale", "lowest_iou_chosen_frac")
+
+
+def selection_means(lines: list[dict]) -> dict:
+    """Each of SELECTION_SCALARS averaged over the run's logged steps that have it ({} for a run without selection):
+    what the selection chose over the whole run, not at one step."""
+    means = {}
+    for name in SELECTION_SCALARS:
+        values = [line[f"hvs/{name}"] for line in lines if f"hvs/{name}" in line]
+        if values:
+            means[name] = float(np.mean(values))
+    return means
 
 
 def schedule_flags(row: Row, run: Run) -> list[str]:
@@ -112,21 +130,25 @@ def read_pretraining(row: Row, seed: int, run_dir: Path) -> Run | None:
     finished = run_dir / "finished.json"
     if not finished.is_file() or pending(run_dir, ["knn", "linear"]) != ([], []):
         return None
-    lines = [line for line in read_lines(run_dir / "metrics.jsonl") if "perf/training_seconds" in line]
+    every_line = read_lines(run_dir / "metrics.jsonl")
+    lines = [line for line in every_line if "perf/training_seconds" in line]
     steps = sorted(int(path.stem.rsplit("_step", 1)[1]) for path in (run_dir / "eval").glob("knn_step*.json"))
     steps = [step for step in steps if result_path(run_dir, "linear", step).is_file()]
     if not lines or not steps or steps[-1] != json.loads(finished.read_text())["step"]:
         return None
     logged = [line["step"] for line in lines]
     seconds = [line["perf/training_seconds"] for line in lines]
+    record = read_schedule(run_dir) or {}
+    flops = (record.get("flops_per_step") or {}).get("total")              # counted: a compute budget's runs
     points = []
     for step in steps:
         knn = json.loads(result_path(run_dir, "knn", step).read_text())["top1"]["20"]
         linear = json.loads(result_path(run_dir, "linear", step).read_text())["top1"]
         points.append({"step": step, "minutes": float(np.interp(step, logged, seconds)) / 60, "knn": knn,
-                       "linear": linear})
+                       "linear": linear, **({"pflop": step * flops / PFLOP} if flops else {})})
     mark_keys(row, points)
-    return Run(seed, str(run_dir), points, machine_state(lines), schedule_trained(run_dir, steps[-1]))
+    return Run(seed, str(run_dir), points, machine_state(lines), schedule_trained(run_dir, steps[-1]),
+               selection_means(every_line))
 
 
 def read_supervised(row: Row, seed: int, run_dir: Path) -> Run | None:
@@ -180,7 +202,9 @@ def row_curve(runs: list[Run], measure: str) -> list[dict]:
         points = [next(p for p in run.points if p["key"] == key) for run in runs]
         if points[0][measure] is None:
             continue
+        counted = [p["pflop"] for p in points if "pflop" in p]
         curve.append({"minutes": round(float(np.mean([p["minutes"] for p in points])), 3),
+                      **({"pflop": float(f"{np.mean(counted):.6g}")} if len(counted) == len(points) else {}),
                       **spread([p[measure] for p in points])})
     return curve
 
@@ -211,19 +235,22 @@ def summarise(row: Row, results: list) -> list[dict]:
                "load_median": max((m["load_median"] for m in machines if m["load_median"] is not None), default=None),
                "load_max": max((m["load_max"] for m in machines if m["load_max"] is not None), default=None),
                "curve": {measure: row_curve(results, measure) for measure in ("knn", "linear")},
+               "selection": selection_summary(results),
                "runs": [asdict(run) for run in results]}
     return [summary]
 
 
-def cell(value: dict | None) -> str:
-    """A curve's point: mean ± std over the seeds (a point along the way; the finals also show their interval)."""
-    if value is None:
-        return "-"
-    return f"{value['mean']:.2f}%" + (f" ± {value['std']:.2f}" if len(value["values"]) > 1 else "")
-
-
-def final_cell(value: dict | None) -> str:
-    return "-" if value is None else summary_text(value)
+def selection_summary(runs: list[Run]) -> dict:
+    """The chosen views of a row with hard view selection: each scalar's run means (`selection_means`), then their
+    mean and std over the seeds ({} for a row without selection, or with seeds that logged different scalars)."""
+    names = set.intersection(*(set(run.selection) for run in runs)) if runs else set()
+    summary = {}
+    for name in SELECTION_SCALARS:
+        if name in names:
+            values = [run.selection[name] for run in runs]
+            summary[name] = {"mean": round(float(np.mean(values)), 4),
+                             "std": round(float(np.std(values, ddof=1)), 4) if len(values) > 1 else None}
+    return summary
 
 
 def paired_differences(entries: list[dict], comparisons: Iterable[tuple[str, str]]) -> list[dict]:
@@ -251,153 +278,39 @@ def paired_differences(entries: list[dict], comparisons: Iterable[tuple[str, str
             except ValueError as error:
                 comparison["measures"].append({"measure": measure, "error": str(error)})
                 continue
-            comparison["measures"].append({
-                "measure": measure, "seeds": list(paired.seeds), "n": paired.n, "difference": round(paired.mean, 2),
-                "ci95": [round(bound, 2) for bound in paired.interval],
-                "p_value": None if paired.p_value is None else float(f"{paired.p_value:.3g}"), "note": paired.note})
+            comparison["measures"].append({**difference_record(paired), "measure": measure,
+                                           "marks": marks_differences(found, measure)})
     return results
 
 
-def paired_section(comparisons: list[dict]) -> list[str]:
-    if not comparisons:
-        return []
-    lines = ["", "Paired differences: row minus baseline at the end of the budget, in points of top-1, over the seeds "
-             "both rows finished (their runs paired by seed); the 95% t interval of the mean difference and the paired "
-             "t-test's two-sided p-value.", "",
-             "| row | baseline | measure | seeds | difference | 95% CI | p |", "|" + " --- |" * 7]
-    names = {"knn": "k-NN", "linear": "linear"}
-    for comparison in comparisons:
-        row, baseline = comparison["labels"]
-        if "error" in comparison:
-            lines.append(f"| {row} | {baseline} | - | - | {comparison['error']} | - | - |")
-        for result in comparison["measures"]:
-            if "error" in result:
-                lines.append(f"| {row} | {baseline} | {names[result['measure']]} | - | {result['error']} | - | - |")
-                continue
-            interval, p_value = "-", "-"                  # differences without spread: no interval, no test
-            if result["p_value"] is not None:
-                low, high = result["ci95"]
-                interval, p_value = f"[{low:+.2f}, {high:+.2f}]", f"{result['p_value']:.3g}"
-            note = f" ({result['note']})" if result["note"] else ""
-            lines.append(f"| {row} | {baseline} | {names[result['measure']]} | {', '.join(map(str, result['seeds']))} "
-                         f"| {result['difference']:+.2f}{note} | {interval} | {p_value} |")
-    return lines
+def difference_record(paired) -> dict:
+    return {"seeds": list(paired.seeds), "n": paired.n, "difference": round(paired.mean, 2),
+            "ci95": [round(bound, 2) for bound in paired.interval],
+            "p_value": None if paired.p_value is None else float(f"{paired.p_value:.3g}"), "note": paired.note}
 
 
-def markdown(entries: list[dict], made_by: str, comparisons: list[dict] = (),
-             code_warnings: tuple[str, ...] = ()) -> str:
-    """table.md: the code warnings (eval/training_code.py) at the top, the command and commit, the finals, the
-    paired differences (`paired_differences`), then each row's curve mark by mark."""
-    lines = [*(line for warning in code_warnings for line in (warning, "")), made_by, "",
-             "k-NN: top-1 at k = 20; linear: the linear probe's top-1 (a supervised row: its classifier's); "
-             "mean ± std over the seeds and the 95% t interval of the mean, at the end of the budget. Minutes trained "
-             "(measured) and PFLOP trained (counted: a compute budget's runs; matrix products, convolutions and "
-             "attention), means over the seeds; schedule trained: each seed's steps over its schedule's, a share "
-             f"below {FLAGGED_BELOW:.0%} flagged. Load: the 1-minute load average while the row trained; a run alone "
-             "shows about its own threads and loader workers, more says another process shared the cores. Commits: "
-             "the code its runs trained at.", "",
-             "| row | budget | seeds | k-NN | linear | k-NN by seed | linear by seed | minutes trained | "
-             "PFLOP trained | schedule trained | steps | cores | threads | load (1 min), median / max | commits |",
-             "|" + " --- |" * 15]
-    for entry in entries:
-        by_seed = [", ".join(f"{v:.2f}" for v in entry[m]["values"]) if entry[m] else "-" for m in ("knn", "linear")]
-        load = "" if entry.get("load_median") is None else f"{entry['load_median']:.2f} / {entry['load_max']:.2f}"
-        minutes = "" if entry.get("minutes") is None else f"{entry['minutes']:.2f}"
-        steps = ", ".join(str(s) for s in entry.get("steps", []))
-        pflop = "" if entry.get("pflop") is None else f"{entry['pflop']:.4g}"
-        lines.append(f"| {entry['label']} | {entry['budget']} | {', '.join(map(str, entry['seeds']))} | "
-                     f"{final_cell(entry['knn'])} | {final_cell(entry['linear'])} | {by_seed[0]} | {by_seed[1]} | "
-                     f"{minutes} | {pflop} | {schedule_cell(entry.get('schedule_share'))} | {steps} | "
-                     f"{entry.get('cores') or ''} | {entry.get('threads') or ''} | {load} | "
-                     f"{commits_cell(states_of(entry))} |")
-    return "\n".join(lines + flagged_section(entries) + paired_section(list(comparisons)) + along_the_way(entries))
+def marks_differences(found: list[dict], measure: str) -> list[dict]:
+    """The paired difference at every mark both rows have, mark by mark: the i-th keyed point of each run (the marks
+    split a budget evenly, so the i-th mark of two rows at the same budget is the same share of it: of its counted
+    compute, its minutes or its steps), the last one the budget's end. A mark with fewer than 2 common seeds, or
+    without the measure, is left out."""
+    def by_mark(entry: dict) -> list[dict[int, float]]:
+        marks: list[dict[int, float]] = []
+        for run in entry["runs"]:
+            keyed = [p for p in run["points"] if p.get("key") is not None]
+            for index, point in enumerate(keyed):
+                if index == len(marks):
+                    marks.append({})
+                if point[measure] is not None:
+                    marks[index][run["seed"]] = 100 * point[measure]
+        return marks
 
-
-def schedule_cell(shares: list[float | None] | None) -> str:
-    """Each seed's share of its schedule trained, "(cut)" after one below FLAGGED_BELOW ("?": not recorded)."""
-    if not shares:
-        return ""
-    return ", ".join("?" if share is None else f"{100 * share:.0f}%" + (" (cut)" if share < FLAGGED_BELOW else "")
-                     for share in shares)
-
-
-def flagged_section(entries: list[dict]) -> list[str]:
-    """Below the finals, every flagged run (`schedule_flags`), row by row: a result that is not its recipe's at the
-    budget, said where the result is read."""
-    flagged = [entry for entry in entries if entry.get("flags")]
-    if not flagged:
-        return []
-    return ["", f"Flagged: runs whose schedule was cut before {FLAGGED_BELOW:.0%} of its steps (the lr not yet "
-            f"decayed), or, under a minutes budget, ended before {FLAGGED_BELOW:.0%} of the minutes (the budget not "
-            "spent); their finals are not their recipe's at the budget.", "",
-            *(f"- {entry['label']}: {'; '.join(entry['flags'])}" for entry in flagged)]
-
-
-def along_the_way(entries: list[dict]) -> list[str]:
-    """The rows' curves as a table, for comparing rows at equal minutes: a column per mark, each cell the mark's
-    minutes of training and k-NN / linear (mean ± std over the seeds, as the plot draws them)."""
-    curves = [entry for entry in entries if entry.get("curve") and entry["curve"]["linear"]]
-    if not curves:
-        return []
-    width = max(len(entry["curve"]["linear"]) for entry in curves)
-    lines = ["", "Along the way: at each mark, the minutes of training (mean over the seeds), then k-NN / linear; the "
-             "last mark is the budget's end.", "",
-             "| row | " + " | ".join(f"mark {i + 1}" for i in range(width)) + " |", "| --- |" + " --- |" * width]
-    for entry in curves:
-        linear = entry["curve"]["linear"]
-        knn = entry["curve"]["knn"] if len(entry["curve"]["knn"]) == len(linear) else [None] * len(linear)
-        cells = [f"{lin['minutes']:.1f} min: {cell(k)} / {cell(lin)}" for k, lin in zip(knn, linear)]
-        lines.append(f"| {entry['label']} | " + " | ".join(cells + [""] * (width - len(cells))) + " |")
-    return lines
-
-
-CURVE_MARKERS = ("o", "s", "^", "D")
-
-
-def curve_styles(labels: list[str]) -> dict[str, tuple[tuple, str]]:
-    """(colour, marker) of each row's curves, the same in both panels and distinct for up to 80 rows: matplotlib's
-    20 qualitative colours (tab20: the 10 of its default cycle, then their light tints), then the next marker."""
-    from matplotlib import colormaps
-
-    colours = colormaps["tab20"].colors
-    order = [*range(0, 20, 2), *range(1, 20, 2)]              # the 10 strong colours first, then their tints
-    return {label: (colours[order[i % 20]], CURVE_MARKERS[i // 20 % len(CURVE_MARKERS)])
-            for i, label in enumerate(labels)}
-
-
-def plot(entries: list[dict], path: Path, title: str) -> None:
-    """k-NN and linear against minutes of training: a line per row (mean over seeds, band: +- one std), the
-    references as horizontal lines, a supervised row's classifier top-1 beside the linear probes."""
-    import matplotlib  # only the command that draws pays for its import
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, panels = plt.subplots(1, 2, figsize=(14, 5), layout="constrained")
-    references = [encoder for encoder, _ in REFERENCE_ROWS]
-    sizes = sorted({entry["row"] for entry in entries if entry["kind"] in references})
-    styles = curve_styles([entry["label"] for entry in entries if entry["kind"] not in references])
-    for axes, measure, name in zip(panels, ("knn", "linear"), ("k-NN top-1 (k = 20)", "linear probe top-1")):
-        for entry in entries:
-            if entry["kind"] in references:
-                axes.axhline(entry[measure]["mean"], linestyle=("--", ":", "-.")[references.index(entry["kind"])],
-                             color=("black", "gray", "silver")[sizes.index(entry["row"]) % 3], linewidth=1,
-                             label=entry["label"])
-                continue
-            curve = entry["curve"][measure]
-            if not curve:
-                continue
-            x = [p["minutes"] for p in curve]
-            mean, std = np.array([p["mean"] for p in curve]), np.array([p["std"] or 0.0 for p in curve])
-            colour, marker = styles[entry["label"]]
-            axes.plot(x, mean, marker=marker, markersize=3, color=colour, label=entry["label"])
-            if len(entry["seeds"]) > 1:
-                axes.fill_between(x, mean - std, mean + std, color=colour, alpha=0.2)
-        axes.set_xlim(left=0)
-        axes.set_xlabel("minutes of training")
-        axes.set_ylabel(f"{name}, %")
-        axes.grid(alpha=0.3)
-    handles, labels = panels[1].get_legend_handles_labels()
-    figure.legend(handles, labels, fontsize=8, loc="outside right upper")
-    figure.suptitle(title, fontsize=9)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    row, baseline = by_mark(found[0]), by_mark(found[1])
+    results = []
+    for index in range(min(len(row), len(baseline))):
+        try:
+            paired = paired_difference(row[index], baseline[index])
+        except ValueError:
+            continue
+        results.append({"mark": index + 1, **difference_record(paired)})
+    return results

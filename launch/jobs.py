@@ -44,6 +44,7 @@ STOPPED_FOR_TIME_LIMIT = 128 + signal.SIGUSR2
 STAGES = {"pretrain": "pretrain.__main__", "eval": "eval.__main__", "transfer": "transfer.__main__"}
 LOCAL_REQUEUE_EXIT = 144          # submitit's local controller restarts a job whose task exits with this
 PENDING_STOP_SIGNAL = "HARDVIEW_PENDING_STOP_SIGNAL"    # read by pretrain.runtime.graceful_stop.GracefulStop
+JOB_STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)     # the scheduler's time-limit warning and its stop
 
 
 def rendezvous_port(job_id: str, restart_count: int) -> int:
@@ -83,8 +84,19 @@ def hold_stop_signals() -> None:
     def record(signum: int, frame) -> None:
         os.environ.setdefault(PENDING_STOP_SIGNAL, str(signum))
 
-    for signum in (signal.SIGUSR2, signal.SIGTERM):
+    for signum in JOB_STOP_SIGNALS:
         signal.signal(signum, record)
+
+
+def ignore_stop_signals_once_done() -> None:
+    """Every step has finished and written its results: a time-limit warning or SIGTERM from now on must not turn
+    the finished job into a failed one. A Python handler is not enough: CPython puts the default action (death)
+    back for every Python-level handler while the interpreter shuts down, after submitit has written the job's
+    result, and a warning landing there killed a completed fine-tuning job (CI: "task 0: User defined signal 2"
+    after "Exiting after successful completion"). Ignored signals stay ignored to the end; the scheduler's SIGKILL
+    still ends the job when it must."""
+    for signum in JOB_STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 @dataclass
@@ -185,6 +197,7 @@ class StageJob:
                 raise SystemExit(status)
             if status != 0:
                 raise RuntimeError(f"{step.describe()} exited with status {status}; see the messages above")
+        ignore_stop_signals_once_done()
         return 0
 
     def progress(self) -> dict[str, int]:

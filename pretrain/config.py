@@ -54,6 +54,12 @@ class DataConfig:
 class ModelConfig:
     arch: str = "resnet18"                   # any timm name: resnet18, resnet50, vit_small_patch16_224, ...
     stem: str = "imagenet"                   # imagenet | small | small_stride2 (ResNets on small images)
+    # A small stem's convolution starts as nn.Conv2d's default (torch) or Kaiming-normal fan-out (kaiming_fan_out:
+    # timm's and torchvision's other convolutions, SupContrast's CIFAR stem)
+    stem_init: str = "torch"
+    # A ViT's position embedding for inputs of another size and its class token's start: timm (antialiased bicubic;
+    # std 1e-6) or dino (DINO's interpolate_pos_encoding, plain bicubic at (n + 0.1) / N; trunc-normal 0.02)
+    vit_pos_embed: str = "timm"
     # None (the default of these two): the value of the method's reference, `reference_model` of its class in
     # pretrain/methods/NAME.py (SimCLR, SimSiam: zero-init true; DINO, SupCon, TCL: false), filled in by load_config.
     zero_init_residual: Optional[bool] = None  # ResNets: last BN of each residual branch starts at 0
@@ -73,7 +79,9 @@ class HVSConfig:
     # Views drawn per image, one entry per data.views group (the pool); every combination that takes each
     # group's `count` views from its pool is a candidate. SimCLR: [4] gives the 6 pairs of 4 views.
     num_views: list[int] = field(default_factory=lambda: [4])
-    mode: str = "hard"                       # hard: train on the highest-loss combination; easy: the lowest (App. F.2)
+    # hard: train on the highest-loss combination; easy: the lowest (App. F.2); all: no scoring, the loss averaged
+    # over every combination, back-propagated through all of them (SimCLR, SimSiam: pretrain/methods/base.py)
+    mode: str = "hard"
     selection_size: Optional[int] = None     # run the selection forward at this resolution (None: full size)
     # Score at most this many candidates per step, drawn at random (without repeats) when there are more;
     # 0 means no cap: every candidate is scored (DINO with pools [2, 2, 16] and 8 locals has 51,480).
@@ -106,8 +114,10 @@ class Config:
 CHOICES = {
     "data.backend": ("ffcv", "torchvision"),
     "model.stem": ("imagenet", "small", "small_stride2"),
+    "model.stem_init": ("torch", "kaiming_fan_out"),
+    "model.vit_pos_embed": ("timm", "dino"),
     "model.proj_last_bn": ("none", "bn", "bn_scale"),
-    "hvs.mode": ("hard", "easy"),
+    "hvs.mode": ("hard", "easy", "all"),
     **RUNTIME_CHOICES,
 }
 
@@ -226,6 +236,12 @@ def validate(cfg: DictConfig) -> None:
         if all(n == c for n, c in zip(pool, counts)):
             raise ConfigError(f"hvs.num_views={pool} equals the views trained on {counts}, which leaves one "
                               "combination to choose from; draw more views (the paper uses 4 for pairs)")
+        method = method_module(cfg.method.name).METHOD
+        if cfg.hvs.mode == "all" and not method.trains_on_every_combination():
+            raise ConfigError(f"hvs.mode=all averages the per-sample loss over every combination, but "
+                              f"method.name={cfg.method.name}'s training loss is more than that mean (its loss() keeps "
+                              "state or differs from its scoring): use hvs.mode=all with simclr or simsiam, or "
+                              "hvs.mode=hard / easy with this method")
         if cfg.hvs.max_candidates < 0:
             raise ConfigError(f"hvs.max_candidates={cfg.hvs.max_candidates} must be >= 0 (0: no cap)")
 

@@ -148,14 +148,18 @@ def selection_stats(scores: torch.Tensor, pick: torch.Tensor, boxes: torch.Tenso
     chance level is the share of candidates at the minimum (1/6 for pairs of 4 views, about 1/4 for DINO).
 
     The IoU of a combination is the mean IoU over the pairs of its first `iou_views` views (None: all):
-    for pairs the pair's IoU, for DINO that of its two global crops. A candidate of one view (the deep-metric-
-    learning methods, one view per image) has no pair: then only the two loss scalars are returned. The values
+    for pairs the pair's IoU, for DINO that of its two global crops; its scale the mean area of those views' crop
+    boxes (a fraction of the source image). A candidate of one view (the deep-metric-learning methods, one view per
+    image) has no pair: then only the loss and scale scalars are returned. The values
     are 0-d tensors, read by the loop on the steps that log (`pretrain.runtime.task.Scalar`).
     """
     batch = scores.shape[0]
     rows = torch.arange(batch, device=scores.device)
     losses = {"hvs/selected_loss": scores[rows, pick].mean(), "hvs/mean_pair_loss": scores.mean()}
     members = table[:, :iou_views] if iou_views else table
+    areas = (boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1])           # (B, pool)
+    scales = areas[:, members].mean(-1)                                                 # (B, C)
+    losses.update({"hvs/selected_scale": scales[rows, pick].mean(), "hvs/mean_pair_scale": scales.mean()})
     if members.shape[1] < 2:
         return losses
     ious = torch.stack([pair_iou(boxes[:, members[:, a]], boxes[:, members[:, b]])

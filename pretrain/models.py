@@ -1,17 +1,24 @@
 """Backbones (one factory, through timm) and the projection / prediction heads of the methods."""
 from __future__ import annotations
 
+import math
+
 import timm
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 from timm.layers import DropPath
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 STEMS = ("imagenet", "small", "small_stride2")
+STEM_INITS = ("torch", "kaiming_fan_out")
+POSITION_EMBEDDINGS = ("timm", "dino")
 
 
 def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = None,
-                    zero_init_residual: bool = True, drop_path_rate: float = 0.0) -> nn.Module:
+                    zero_init_residual: bool = True, drop_path_rate: float = 0.0, stem_init: str = "torch",
+                    vit_pos_embed: str = "timm") -> nn.Module:
     """Build a timm backbone that returns pooled features; `backbone.num_features` is their width.
 
     stem: "imagenet" keeps the architecture's own stem. For small images (32 px) on ResNets,
@@ -21,9 +28,20 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
     zero_init_residual: ResNets start each residual branch's last BatchNorm at zero (timm's zero_init_last).
     drop_path_rate: stochastic depth (Huang et al. 2016), timm's drop_path_rate: the largest per-block rate, rising
       linearly with depth (fine-tuning recipes: 0.1 for ViT-S/B). It adds no parameters: an export loads either way.
+    stem_init: how a small stem's new convolution starts: "torch", nn.Conv2d's default (Kaiming-uniform with
+      a = sqrt(5)), or "kaiming_fan_out", Kaiming-normal over the fan-out for ReLU, as timm and torchvision start every
+      other convolution of a ResNet and as HobbitLong/SupContrast starts its CIFAR stem (networks/resnet_big.py,
+      ResNet.__init__).
+    vit_pos_embed: how a ViT's position embedding meets another input size (DINO's 96 px local crops, a
+      low-resolution selection pass) and how its class token starts: "timm", timm's (antialiased bicubic resampling;
+      class token normal, std 1e-6), or "dino", facebookresearch/dino's (`DinoPositionEmbedding`).
     """
     if stem not in STEMS:
         raise ValueError(f"model.stem={stem!r} is not one of {STEMS}")
+    if stem_init not in STEM_INITS:
+        raise ValueError(f"model.stem_init={stem_init!r} is not one of {STEM_INITS}")
+    if vit_pos_embed not in POSITION_EMBEDDINGS:
+        raise ValueError(f"model.vit_pos_embed={vit_pos_embed!r} is not one of {POSITION_EMBEDDINGS}")
     kwargs = {"num_classes": 0}
     if is_vision_transformer(arch):
         kwargs["dynamic_img_size"] = True     # the HVS selection pass may run at a lower resolution
@@ -44,11 +62,43 @@ def create_backbone(arch: str, stem: str = "imagenet", image_size: int | None = 
                              "Use model.stem=imagenet for this architecture.")
         stride = 1 if stem == "small" else 2
         backbone.conv1 = nn.Conv2d(3, backbone.conv1.out_channels, 3, stride, 1, bias=False)
+        if stem_init == "kaiming_fan_out":
+            nn.init.kaiming_normal_(backbone.conv1.weight, mode="fan_out", nonlinearity="relu")
         backbone.maxpool = nn.Identity()
+    if vit_pos_embed == "dino" and is_vision_transformer(arch):
+        backbone.__class__ = DinoPositionEmbedding  # same parameters and state_dict; see its docstring
+        nn.init.trunc_normal_(backbone.cls_token, std=0.02)
     for module in backbone.modules():
         if type(module) is nn.Conv2d and max(module.stride) > 1 and max(module.kernel_size) > 1:
             module.__class__ = StridedConv2d        # same parameters and state_dict; see its docstring
     return backbone
+
+
+def dino_resampled_pos_embed(pos_embed: torch.Tensor, height: int, width: int, prefix_tokens: int = 1) -> torch.Tensor:
+    """The position embedding (1, prefix + N, D) of a square grid of N patches, for a grid of height x width patches,
+    as facebookresearch/dino's `interpolate_pos_encoding` (vision_transformer.py): unchanged at its own size, else the
+    patches' part resized by plain bicubic interpolation (no antialiasing) with the scale factor (n + 0.1) / sqrt(N)
+    per side (DINO's offset against floating-point error in the output size); the prefix (class token) part kept."""
+    side = math.isqrt(pos_embed.shape[1] - prefix_tokens)
+    if height == width == side:
+        return pos_embed
+    patches = pos_embed[:, prefix_tokens:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    patches = F.interpolate(patches, scale_factor=((height + 0.1) / side, (width + 0.1) / side), mode="bicubic")
+    return torch.cat([pos_embed[:, :prefix_tokens], patches.permute(0, 2, 3, 1).reshape(1, height * width, -1)], dim=1)
+
+
+class DinoPositionEmbedding(VisionTransformer):
+    """timm's VisionTransformer with DINO's position embedding for inputs of another size (`model.vit_pos_embed=dino`):
+    `dino_resampled_pos_embed` in place of timm's antialiased bicubic resampling, and (set by `create_backbone`) the
+    class token started trunc-normal with std 0.02, as DINO's `VisionTransformer.__init__`. For the ViTs DINO trains:
+    a class token, no register tokens, the class token's embedding in the position embedding."""
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dynamic_img_size or self.no_embed_class or self.reg_token is not None or self.cls_token is None:
+            return super()._pos_embed(x)
+        batch, height, width, dim = x.shape
+        tokens = torch.cat([self.cls_token.expand(batch, -1, -1), x.reshape(batch, -1, dim)], dim=1)
+        return self.pos_drop(tokens + dino_resampled_pos_embed(self.pos_embed, height, width))
 
 
 class StridedConv2d(nn.Conv2d):
@@ -78,7 +128,7 @@ def backbone_from_config(cfg: DictConfig, drop_path_rate: float = 0.0) -> nn.Mod
     is a bool here: `load_config` fills a None with the method's reference value (`Method.reference_model`)."""
     model = cfg.model
     return create_backbone(model.arch, model.stem, cfg.data.views[0].size, bool(model.zero_init_residual),
-                           drop_path_rate)
+                           drop_path_rate, model.stem_init, model.vit_pos_embed)
 
 
 def without_stochastic_depth(module: nn.Module) -> nn.Module:

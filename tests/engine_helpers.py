@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native
+from pretrain.runtime.bf16_support import cpu_bf16_is_native
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "configs/pretrain"
@@ -20,7 +20,7 @@ DINO_MULTI_CROP = [
 # SMALL_RESNET: timm's test_resnet (0.37 M parameters: BasicBlocks, deep stem, max-pool), for the tests of what the
 # engine, a loss or a method's state does with whatever backbone (distributed equality, EMA teachers, clipping):
 # the digits presets' ResNet-18 (11.2 M) costs them more in building, gathering and comparing weights than in
-# computing. And where bf16 is emulated (pretrain/runtime/cpu_bf16.py) its cost grows with the weights, not the
+# computing. And where bf16 is emulated (pretrain/runtime/bf16_support.py) its cost grows with the weights, not the
 # pixels: a bf16 forward and backward of 12 views of 16 px took 5.7 s with ResNet-18 and 0.16 s with test_resnet
 # on an AVX2-only EPYC (fp32: 0.17 and 0.02 s); the bf16 tests train it there, ResNet-18 elsewhere.
 SMALL_RESNET = ["model.arch=test_resnet", "model.stem=imagenet"]

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.data.augment import (augment_views, canvas_to_device, check_view_group, crop_resize_flip_by_matmuls,
-                                   crop_resize_flip_one_by_one, gaussian_blur, gaussian_blur_)
+                                   crop_resize_flip_one_by_one)
+from pretrain.data.blur import gaussian_blur, gaussian_blur_
 from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.views import ViewGroup
 from pretrain.runtime.memory_reuse import advise_huge_pages

@@ -200,12 +200,14 @@ def test_bench_train_alternates_its_rounds_and_quotes_the_median_and_range_of_th
     rates = {"project": [100.0, 80.0, 125.0], "plain": [110.0, 100.0, 100.0]}
     calls = []
 
-    def fabricated_run(case: dict, processes: int = 1, environ: dict | None = None) -> list[float]:
+    def fabricated_run(case: dict, processes: int = 1, environ: dict | None = None) -> dict:
+        if case.get("count_reads"):                           # the project's run that counts its reads
+            return {"seconds": [1.0] * 4, "reads": [135, 0, 1, 0, 290]}
         side = "plain" if case["plain"] else "project"
         calls.append(side)
         step = 10 / rates[side][(calls.count(side) - 1) % 3]  # batch 10 (the override below); round 1-3 of a case
-        return [100.0, step, 3 * step, step]                  # the warm-up step, then the median is `step`
-    monkeypatch.setattr(train, "timed_in_a_process", fabricated_run)
+        return {"seconds": [100.0, step, 3 * step, step]}     # the warm-up step, then the median is `step`
+    monkeypatch.setattr(train, "case_in_a_process", fabricated_run)
     (tmp_path / "train.beton").touch()                        # the benchmark writes Fashion-MNIST where it is missing
     main(["train", "--only", "simclr", "--steps", "3", "--warmup", "1", "--rounds", "3", "--split-case", "none",
           "--override", "data.batch_size=10", "--data-dir", str(tmp_path), "--out", str(tmp_path / "train.json")])
@@ -214,12 +216,13 @@ def test_bench_train_alternates_its_rounds_and_quotes_the_median_and_range_of_th
     assert row["plain_over_project"] == pytest.approx({"median": 1.1, "min": 0.8, "max": 1.25})
     assert row["project_images_per_s"] == pytest.approx({"median": 100.0, "min": 80.0, "max": 125.0})
     assert row["plain_images_per_s"] == pytest.approx({"median": 100.0, "min": 100.0, "max": 110.0})
+    assert row["reads"] == {"quiet_step_max": 1, "logging_step_max": 0, "per_step": [0, 1, 0, 290]}
     assert row["rounds"] == [{"project": 100.0, "plain": 110.0, "ratio": 1.1, "order": ["project", "plain"]},
                              {"project": 80.0, "plain": 100.0, "ratio": 1.25, "order": ["plain", "project"]},
                              {"project": 125.0, "plain": 100.0, "ratio": 0.8, "order": ["project", "plain"]}]
     table = capsys.readouterr().out
     assert "faster of" not in table and "3 alternating rounds" in table
-    assert "plain / project" in table and "1.100   0.800-1.250       3" in table
+    assert "plain / project" in table and "1.100   0.800-1.250       3       1 / 0" in table
 
 
 def test_alternating_rounds_reverse_the_order_of_more_than_two_sides(monkeypatch):
@@ -244,3 +247,38 @@ def test_bench_train_refuses_zero_rounds_naming_the_option(capsys):
     with pytest.raises(SystemExit) as refused:
         main(["train", "--rounds", "0"])
     assert refused.value.code == 2 and "argument --rounds: 0 is not a positive integer" in capsys.readouterr().err
+
+
+def test_every_bench_command_and_option_says_what_it_is_in_its_help():
+    """`python -m pretrain.bench --help` listed two commands as "==SUPPRESS==" (argparse prints a subcommand's
+    SUPPRESS help as text): every command and every option of each has a help text of its own."""
+    import argparse
+
+    from pretrain.bench import build_parser
+
+    parser = build_parser()
+    assert "SUPPRESS" not in parser.format_help()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    helps = {choice.dest: choice.help for choice in commands._choices_actions}
+    assert set(helps) == set(commands.choices) and all(helps.values()), helps
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if action.dest != "help":
+                assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+
+
+def test_the_gpu_checks_parts_parse_and_its_tests_collect_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """`make gpu-check` (pretrain/bench/gpu_check.py) runs on a GPU lease only: its dry run here keeps it from rotting
+    in between (a renamed option, a GPU test module that no longer imports), and its parts' time limits fit the
+    8 minutes it promises."""
+    from pretrain.bench import gpu_check
+
+    assert gpu_check.dry_run(tmp_path) == {"command": "gpu-check", "dry_run": True,
+                                           "parts": [name for name, _, _ in gpu_check.parts(tmp_path)]}
+    assert capsys.readouterr().out.count(": ok") == 4
+    assert sum(limit for _, _, limit in gpu_check.parts(tmp_path)) <= gpu_check.LEASE_SECONDS == 480
+    rotten = [(name, [*command[:-2], "--no-such-option"], limit) for name, command, limit in gpu_check.parts(tmp_path)]
+    monkeypatch.setattr(gpu_check, "parts", lambda out_dir: rotten[1:])
+    with pytest.raises(SystemExit):
+        gpu_check.dry_run(tmp_path)
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err

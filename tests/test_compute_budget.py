@@ -79,21 +79,26 @@ def test_a_steps_flops_are_the_closed_form_of_its_products_and_the_scoring_pass_
 def test_hard_view_selection_adds_its_scoring_pass_and_leaves_the_training_steps_count():
     """SimCLR with selection: the training step is the one without (the chosen 2 views have the shapes of the 2
     drawn without selection); the scoring pass is the forward of the pool of 4 views, twice the 2 views' forward
-    (a forward's products are linear in the batch), plus the candidates' losses (similarities, a sliver)."""
+    (a forward's products are linear in the batch), plus the candidates' losses (similarities, a sliver). Training on
+    every pair (hvs.mode=all) has no scoring pass and trains on the pool: twice the 2 views' training step, plus the
+    6 pairs' similarities."""
     counts = {}
-    for hvs in (False, True):
-        cfg = load_config(ROOT / "configs/pretrain/simclr_digits.yaml", [*TINY, *SMALL_RESNET, f"hvs.enabled={hvs}"])
+    for mode in ("none", "hard", "all"):
+        cfg = load_config(ROOT / "configs/pretrain/simclr_digits.yaml", [
+            *TINY, *SMALL_RESNET, f"hvs.enabled={mode != 'none'}", f"hvs.mode={'hard' if mode == 'none' else mode}"])
         torch.manual_seed(0)
         method = build_method(cfg)
         views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(0))
         batch = ViewBatch(views, boxes, labels, torch.arange(len(labels)))
-        counts[hvs] = count_micro_batch_flops(method, batch, POSITION)
-        if not hvs:
+        counts[mode] = count_micro_batch_flops(method, batch, POSITION)
+        if mode == "none":
             with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as forward:
                 method(views)
-    assert counts[False].selection == 0 and counts[True].training == counts[False].training
+    assert counts["none"].selection == 0 and counts["hard"].training == counts["none"].training
     two_views = forward.get_total_flops()
-    assert 0 < counts[True].selection - 2 * two_views < 0.01 * counts[True].selection
+    assert 0 < counts["hard"].selection - 2 * two_views < 0.01 * counts["hard"].selection
+    assert counts["all"].selection == 0
+    assert 0 < counts["all"].training - 2 * counts["none"].training < 0.01 * counts["all"].training
 
 
 class FixedBatches:

@@ -29,6 +29,9 @@ GLOBAL_BATCH = 8
 LABELS = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])          # class-major: a (2, 4)-group batch too
 CASES = {   # name: (config, overrides)
     "simclr": ("simclr_digits.yaml", []),
+    # a pool of 4 views: the easiest pair per image (scored against every process's views), and every pair at once
+    "simclr_easiest_pair": ("simclr_digits.yaml", ["hvs.enabled=true", "hvs.mode=easy"]),
+    "simclr_all_pairs": ("simclr_digits.yaml", ["hvs.enabled=true", "hvs.mode=all"]),
     "supcon": ("supcon_digits.yaml", []),
     "tcl": ("tcl_digits.yaml", []),
     "tcl_supervised": ("tcl_supervised_digits.yaml", []),
@@ -39,6 +42,7 @@ CASES = {   # name: (config, overrides)
     "smoco": ("smoco_digits.yaml", []),
     "smoco_minibatch": ("smoco_digits.yaml", ["method.memory_size=0"]),
     "contrastive_balance": ("contrastive_balance_digits.yaml", []),
+    "lejepa": ("lejepa_digits.yaml", []),       # SIGReg: a statistic of the whole batch, averaged across processes
     "weighted_contrastive": ("weighted_contrastive_digits.yaml", ["data.batch_design.images_per_class=2"]),
 }
 STAGES = (0, 1, 2, 3)

@@ -80,7 +80,8 @@ def test_weighted_contrastive_selection_is_the_brute_force_argmax():
         outputs = method(views)
         losses = torch.stack([method.sample_loss(outputs, c, labels) for c in candidates], dim=1)
     assert selection.chosen.tolist() == [list(candidates[i]) for i in losses.argmax(dim=1).tolist()]
-    assert set(selection.stats) == {"hvs/selected_loss", "hvs/mean_pair_loss"}    # one view: no IoU
+    assert set(selection.stats) == {"hvs/selected_loss", "hvs/mean_pair_loss", "hvs/selected_scale",
+                                    "hvs/mean_pair_scale"}                             # one view: no IoU
 
 
 def test_balance_method_logs_its_sub_losses_and_trains_on_one_view():

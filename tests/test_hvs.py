@@ -75,6 +75,10 @@ def test_hard_mode_picks_planted_pair_and_stats_are_right():
     assert stats["hvs/mean_pair_iou"] == pytest.approx(sum(map(sum, ious)) / 12, rel=1e-5)
     # sample 0 chose its lowest-IoU pair, sample 1 did not
     assert stats["hvs/lowest_iou_chosen_frac"] == pytest.approx(0.5)
+    area = lambda r: (r[2] - r[0]) * (r[3] - r[1])
+    scales = [[(area(s[a]) + area(s[b])) / 2 for a, b in pairs] for s in BOXES]
+    assert stats["hvs/selected_scale"] == pytest.approx((scales[0][pairs.index((0, 3))] + scales[1][0]) / 2)
+    assert stats["hvs/mean_pair_scale"] == pytest.approx(sum(map(sum, scales)) / 12)
 
 
 def test_easy_mode_inverts_the_choice():
@@ -188,7 +192,7 @@ def test_selection_gathers_each_group_and_scores_only_the_capped_candidates():
 # ==== the selection forward leaves every buffer as it found it ====
 
 METHOD_CONFIGS = ["simclr_digits.yaml", "simsiam_digits.yaml", "dino_digits.yaml", "tcl_digits.yaml",
-                  "supcon_digits.yaml", "contrastive_balance_digits.yaml", "smoco_digits.yaml"]
+                  "supcon_digits.yaml", "contrastive_balance_digits.yaml", "smoco_digits.yaml", "lejepa_digits.yaml"]
 
 
 def everything_the_method_keeps(method) -> dict[str, torch.Tensor]:
@@ -250,7 +254,8 @@ def test_lowest_iou_chosen_counts_a_pick_tied_at_the_minimum():
 @pytest.mark.parametrize("config", METHOD_CONFIGS)
 def test_every_method_selects_the_brute_force_argmax_in_train_mode(config):
     """For every method, in the mode the engine trains in: the chosen candidate of each sample is the argmax
-    of its losses computed one candidate at a time (`sample_loss`) on a forward of the same pool."""
+    of its losses computed one candidate at a time (`sample_loss`) on a forward of the same pool (hvs.mode=easy:
+    the argmin)."""
     from pretrain.config import load_config, views_to_draw
     from pretrain.methods import build_method
 
@@ -271,3 +276,57 @@ def test_every_method_selects_the_brute_force_argmax_in_train_mode(config):
         losses = torch.stack([method.sample_loss(outputs, combination, labels) for combination in scored], dim=1)
     assert selection.chosen.tolist() == [list(scored[i]) for i in losses.argmax(dim=1).tolist()]
     torch.testing.assert_close(selection.scores, losses, rtol=1e-4, atol=1e-5)
+    easiest = select_hard_views(method, method, views, boxes, labels, method.train_counts, mode="easy",
+                                max_candidates=20, rng=random.Random(0))     # hvs.mode=easy: the minimum of the same
+    assert easiest.chosen.tolist() == [list(scored[i]) for i in losses.argmin(dim=1).tolist()]
+    assert easiest.chosen.tolist() != selection.chosen.tolist()
+
+
+@pytest.mark.parametrize("config", ["simclr_digits.yaml", "simsiam_digits.yaml"])
+def test_all_mode_equals_the_mean_of_the_separately_computed_pair_losses_in_value_and_gradient(config):
+    """hvs.mode=all ("all pairs"): the loss of a pool of 4 views is the mean of the 6 pairs' training losses, each
+    computed on its own (a forward of the pair's 2 views, the method's plain loss), and so is its gradient, for every
+    parameter. In eval mode, where a view's output does not depend on the others in its forward (in train mode
+    BatchNorm normalises over the whole pool, which is what one forward of the pool means)."""
+    from contextlib import nullcontext
+
+    from pretrain.config import load_config
+    from pretrain.data.views import ViewBatch
+    from pretrain.methods import build_method
+    from pretrain.runtime.task import BatchPosition
+
+    root = Path(__file__).parents[1] / "configs/pretrain"
+    cfg = load_config(root / config, ["hvs.enabled=true", "hvs.mode=all", "model.proj_hidden_dim=32",
+                                      "model.proj_out_dim=16", "model.pred_hidden_dim=8", "monitor.online_probe=false"])
+    torch.manual_seed(0)
+    method = build_method(cfg).eval()
+    g = torch.Generator().manual_seed(2)
+    views = torch.randn(5, 4, 3, 16, 16, generator=g)               # 5 images: no power of two hides a mistake
+    labels = torch.arange(5)
+    batch = ViewBatch([views], [torch.rand(5, 4, 4, generator=g)], labels, labels)
+    parameters = [p for p in method.parameters() if p.requires_grad]
+
+    every_pair = method.batch_loss(method, batch, BatchPosition(0, 0, 0, 0), nullcontext).loss
+    gradient = torch.autograd.grad(every_pair, parameters, allow_unused=True)
+    separate = [method.loss(method([views[:, list(pair)]]), labels) for pair in all_pairs(4)]
+    expected = torch.stack(separate).mean()
+    expected_gradient = torch.autograd.grad(expected, parameters, allow_unused=True)
+    torch.testing.assert_close(every_pair, expected, rtol=1e-6, atol=1e-6)
+    assert len(set(round(loss.item(), 4) for loss in separate)) == 6            # six different pairs were averaged
+    for name, got, want in zip([n for n, p in method.named_parameters() if p.requires_grad], gradient,
+                               expected_gradient):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(g is not None and g.abs().sum() > 0 for g in gradient)
+
+
+def test_all_mode_is_refused_for_a_method_whose_loss_is_more_than_the_mean_of_its_sample_losses():
+    from pretrain.config import ConfigError, load_config
+
+    root = Path(__file__).parents[1] / "configs/pretrain"
+    for config in ("dino_digits.yaml", "smoco_digits.yaml", "tcl_digits.yaml"):
+        with pytest.raises(ConfigError, match=r"hvs.mode=all .* method.name=(dino|smoco|tcl)'s training loss .* "
+                                              r"use hvs.mode=all with simclr or simsiam"):
+            load_config(root / config, ["hvs.enabled=true", "hvs.mode=all"])
+    load_config(root / "simclr_digits.yaml", ["hvs.enabled=true", "hvs.mode=all"])

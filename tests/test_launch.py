@@ -433,6 +433,28 @@ def test_a_jobs_pickle_loads_without_torch_so_its_stop_signals_are_held_early():
     assert loaded.stdout.decode().split() == ["StageJob", "eval", "[]"], loaded.stderr.decode()[-2000:]
 
 
+def test_a_finished_job_ignores_a_late_time_limit_warning(tmp_path):
+    """A warning that lands after a job's last step must not fail the job. CI's fine-tuning job finished, submitit
+    wrote its result ("Exiting after successful completion"), and the time-limit warning then killed the task while
+    the interpreter shut down ("User defined signal 2"): CPython puts the default action back for every Python-level
+    handler at that point, so the job, done, ended FAILED. Once its steps are done a job ignores the warning and
+    SIGTERM; before that they stop the stage with a checkpoint (a Python handler)."""
+    import subprocess
+    import sys
+
+    run_a_job_without_steps = (
+        "import signal; from launch.jobs import StageJob; "
+        "ignored = lambda: [signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGUSR2, signal.SIGTERM)]; "
+        "before = ignored(); status = StageJob([])(); print(*before, status, *ignored())")
+    job_environment = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_FOLDER": str(tmp_path), "SUBMITIT_LOCAL_JOB_ID": "7",
+                       "SUBMITIT_LOCAL_NTASKS": "1", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0",
+                       "SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_LOCALID": "0"}
+    ran = subprocess.run([sys.executable, "-c", run_a_job_without_steps], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, **job_environment})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split() == ["False", "False", "0", "True", "True"], ran.stdout + ran.stderr[-2000:]
+
+
 def test_only_time_limits_count_against_max_requeues_and_a_preemption_is_always_requeued(tmp_path, capsys):
     """A stop signal is a time limit when the allocation has run min(80%, all but 10 minutes) of --time, as
     submitit's has_timed_out decides; earlier it is a preemption (preempt_send_user_signal). Preemptions used to be

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from launch.benchmark_file import Row, check_same_benchmark, load_benchmark, select_rows, select_seeds
-from launch.benchmark_results import FINAL, Run, mark_keys, markdown, row_curve, summarise
+from launch.benchmark_results import FINAL, Run, mark_keys, row_curve, summarise
+from launch.benchmark_table import markdown
 from launch.cluster import LaunchError
 from tests.machine_speed import scaled
 from tests import forked_runs
@@ -208,6 +209,53 @@ def test_the_finals_show_their_t_interval_and_a_comparison_its_paired_difference
         "interval) | - | - |" in markdown(entries, "made by test", same).splitlines()
 
 
+
+def test_the_paired_difference_at_each_mark_the_chosen_views_and_the_curve_against_counted_compute(tmp_path):
+    """A selection study's table: at each mark (the i-th keyed point of each row: the same share of a compute budget,
+    though the rows took different steps) the paired difference of the arm against none, equal to scipy's paired
+    t-test; the chosen views' scalars as means over the seeds of each run's means; the curves' counted PFLOP (a
+    point's step times the counted FLOPs of a step) drawn against counted compute."""
+    from scipy import stats
+
+    from launch.benchmark_results import paired_differences, selection_means
+    from launch.benchmark_table import plot
+
+    machine = {"cores": 2, "threads": 2, "load_median": 1.8, "load_max": 2.1}
+    accuracy = {"none": [[0.70, 0.80], [0.71, 0.82], [0.69, 0.79]],            # seed -> (mark 1, end)
+                "hardest": [[0.72, 0.81], [0.70, 0.84], [0.73, 0.80]]}
+    steps = {"none": 60, "hardest": 36}                                          # one budget, different steps
+    entries = []
+    for name, by_seed in accuracy.items():
+        row = Row(name=name, label=name, kind="pretrain", config="c", seeds=(0, 1, 2), pflop=0.01, marks=2)
+        runs = []
+        for seed, values in enumerate(by_seed):
+            points = [{"step": steps[name] * (i + 1) // 2, "minutes": i + 1.0, "knn": v, "linear": v,
+                       "pflop": 0.005 * (i + 1)} for i, v in enumerate(values)]
+            mark_keys(row, points)
+            lines = [{"step": 1, "hvs/selected_iou": 0.2 + seed / 10, "hvs/mean_pair_iou": 0.5},
+                     {"step": 2, "hvs/selected_iou": 0.4 + seed / 10, "hvs/mean_pair_iou": 0.5}, {"step": 3}]
+            runs.append(Run(seed, f"runs/{name}_{seed}", points, machine, selection=selection_means(lines)
+                            if name == "hardest" else {}))
+        entries += summarise(row, runs)
+    assert entries[1]["selection"]["selected_iou"] == {"mean": 0.4, "std": 0.1}         # runs: 0.3, 0.4, 0.5
+    assert entries[0]["selection"] == {} and [p["pflop"] for p in entries[1]["curve"]["knn"]] == [0.005, 0.01]
+    paired = paired_differences(entries, [("hardest", "none")])
+    marks = paired[0]["measures"][0]["marks"]
+    assert [mark["mark"] for mark in marks] == [1, 2]
+    for mark, index in zip(marks, (0, 1)):
+        test = stats.ttest_rel([100 * v[index] for v in accuracy["hardest"]], [100 * v[index] for v in accuracy["none"]])
+        assert mark["p_value"] == pytest.approx(test.pvalue, rel=1e-3)
+        assert mark["ci95"] == pytest.approx(list(test.confidence_interval(0.95)), abs=0.005)
+    assert marks[1]["difference"] == paired[0]["measures"][0]["difference"]             # the last mark is the end
+    table = markdown(entries, "made by test", paired).splitlines()
+    low, high = marks[0]["ci95"]
+    assert f"| hardest | none | k-NN | {marks[0]['difference']:+.2f} [{low:+.2f}, {high:+.2f}] | " \
+           f"{marks[1]['difference']:+.2f} [{marks[1]['ci95'][0]:+.2f}, {marks[1]['ci95'][1]:+.2f}] |" in table
+    assert "| hardest | - | - | 0.400 ± 0.100 | 0.500 ± 0.000 | - | - | - |" in table
+    plot(entries, tmp_path / "curves_pflop.png", "test", x_axis="pflop")
+    assert (tmp_path / "curves_pflop.png").stat().st_size > 0
+
+
 ROW = {"name": "simclr", "config": CONFIG, "minutes": 1, "marks": 6}
 
 
@@ -391,13 +439,32 @@ def test_a_run_cut_before_95_percent_of_its_schedule_or_ending_it_before_its_min
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/benchmarks").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_benchmark_file_loads_with_its_references_and_at_least_6_marks_a_row(path):
     rows = load_benchmark(str(path)).rows
-    assert {row.kind for row in rows} == {"reference", "pretrain", "supervised"}
+    assert {"reference", "pretrain"} <= {row.kind for row in rows} <= {"reference", "pretrain", "supervised"}
     assert all(row.marks >= 6 for row in rows if row.kind != "reference")
+
+
+def test_the_selection_study_compares_every_arm_with_none_at_its_methods_one_compute_budget_over_5_seeds():
+    """configs/benchmarks/fashion_mnist_hvs_study.yaml: per method, each arm against its `none` row, both at one counted
+    budget (schedules that end at it), seeds 0-4 paired; SimCLR has the four arms."""
+    study = load_benchmark(str(ROOT / "configs/benchmarks/fashion_mnist_hvs_study.yaml"))
+    rows = {row.name: row for row in study.rows if row.kind == "pretrain"}
+    assert {name for name in rows if name.startswith("simclr")} == {f"simclr_{arm}" for arm in
+                                                                     ("none", "hardest", "easiest", "all")}
+    modes = {name: next((o.split("=")[1] for o in row.overrides if o.startswith("hvs.mode=")), None)
+             for name, row in rows.items()}
+    assert {name: mode for name, mode in modes.items() if mode} == {
+        "simclr_hardest": "hard", "simclr_easiest": "easy", "simclr_all": "all", "simsiam_hardest": "hard",
+        "dino_hardest": "hard"}
+    assert set(study.comparisons) == {(name, name.split("_")[0] + "_none") for name in rows
+                                      if not name.endswith("_none")}
+    for row, baseline in study.comparisons:
+        assert rows[row].pflop == rows[baseline].pflop and rows[row].minutes is None
+        assert rows[row].seeds == rows[baseline].seeds == (0, 1, 2, 3, 4)
 
 
 def test_every_row_of_a_long_benchmark_gets_a_colour_and_marker_of_its_own():
     """The digits file had 11 curves (13 now): matplotlib's default cycle of 10 colours gave the 11th the first's."""
-    from launch.benchmark_results import curve_styles
+    from launch.benchmark_table import curve_styles
 
     labels = [f"row {i}" for i in range(25)]
     styles = curve_styles(labels)

@@ -145,16 +145,17 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
     D. a fine-tuning job stopped as at its time limit requeues from its own checkpoint and logs every step once.
     """
     # A. Slurm sends the --signal warning up to 30 s earlier than asked (it checks time limits every 30 s), so each
-    # 1-minute allocation is warned 25-55 s in, 5 s before the limit at the latest. The 170 steps take longer
-    # than that on the reference CPU (about 51 s of steps after a 7-s start-up on an idle machine: once, 150 steps
-    # finished within the first allocation); later allocations share the rest, each warned the same way. A slower
-    # machine takes fewer steps per allocation (an AVX2-only EPYC, 7x slower: 1 to 12, most of each allocation its
-    # start-up beside the other pytest): 170 / that factor, and requeues enough for its slowest allocations.
-    limited, stop = tmp_path / "limited", max(40, round(170 / slowness()))
+    # 2-minute allocation is warned 85-115 s in, 5 s before the limit at the latest. The 400 steps take longer than
+    # that on the reference CPU (about 3.3 steps/s after a 7-s start-up on an idle machine); later allocations share
+    # the rest, each warned the same way. A slower machine takes fewer steps per allocation: 400 / its factor, at
+    # least 80, with requeues enough for its slowest allocations. (1-minute allocations were too short beside two
+    # pytest workers on an AVX2-only EPYC: the 2-task job's start-up took 49 s, the warning came before its first
+    # step, and Slurm ended the job, TIMEOUT, before that step's checkpoint.)
+    limited, stop = tmp_path / "limited", max(80, round(400 / slowness()))
     [time_limited] = submitted(launch(
         "pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={limited}", f"engine.max_steps={stop}",
         "engine.checkpoint_every_steps=1000", "optim.warmup_epochs=0.5", *SLURM, "--tasks-per-node", "2",
-        "--time", "1", "--signal-delay-s", "5", "--max-requeues", "30").stdout)
+        "--time", "2", "--signal-delay-s", "5", "--max-requeues", "30").stdout)
     # B, C, D
     run_dir, finetuned = tmp_path / "run", tmp_path / "finetuned"
     write_export(finetuned, digits)                         # a backbone to fine-tune (random: the job is the test)
@@ -164,7 +165,7 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
         f"engine.max_steps={steps}", "engine.checkpoint_every_steps=10", *SLURM, "--time", "15",
         "--max-requeues", "0").stdout)
     [watcher] = submitted(launch("eval-watch", "--run", str(run_dir), "--protocols", "knn", "--poll-seconds", "1",
-                                 *SLURM, "--time", "1", "--signal-delay-s", "5").stdout)
+                                 *SLURM, "--time", "2", "--signal-delay-s", "5").stdout)
     [finetuning] = submitted(launch("finetune", "--run", str(finetuned), "--config", str(FINETUNE_CONFIG),
                                     "optim.epochs=6", "engine.print_every_steps=1", "engine.log_every_steps=1",
                                     *SLURM, "--time", "2", "--signal-delay-s", "5",     # requeues enough for a
@@ -178,9 +179,10 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
 
     # Each job is stopped once, as soon as it is there: A by `scontrol requeue` once it trains again after its
     # time-limit requeue; B after a few steps (a preemption: minutes before its limit); C after its first
-    # evaluation, D after a few steps: a stop in their first 10 minutes counts as their time limit (1 and 2
-    # minutes: submitit's rule, min(80%, all but 10 minutes)); the watcher may meet its real one too while it
-    # waits. The fine-tuning's 2 minutes leave its resumed allocation room on a busy machine.
+    # evaluation, D after a few steps: a stop in their first 10 minutes counts as their time limit (2 minutes:
+    # submitit's rule, min(80%, all but 10 minutes)); the watcher may meet its real one too while it waits. Each
+    # allocation's 2 minutes leave room after a start-up on a busy machine (a 1-minute watcher beside two pytest
+    # workers was warned before its first evaluation in each of 5 allocations).
     ready = {time_limited: lambda: time_limit_stop() is not None and any(
                  line["step"] > time_limit_stop() for line in logged(limited)),
              pretraining: lambda: any(line["step"] >= 4 for line in logged(run_dir)),

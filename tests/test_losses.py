@@ -11,8 +11,9 @@ from pretrain.losses.negative_cosine import negative_cosine_per_sample
 from pretrain.losses.ntxent import nt_xent_per_sample
 
 
-def brute_force_nt_xent(z_a, z_b, t):
-    """SimCLR eq. 1, one anchor at a time, with explicit sums over the 2B - 1 candidates."""
+def brute_force_nt_xent(z_a, z_b, t, directions="mean"):
+    """SimCLR eq. 1, one anchor at a time, with explicit sums over the 2B - 1 candidates; a sample's two directions
+    averaged, or summed as google-research/simclr does (objective.py:86)."""
     z = [v / v.norm() for v in torch.cat([z_a, z_b]).double()]
     n = len(z_a)
 
@@ -20,16 +21,18 @@ def brute_force_nt_xent(z_a, z_b, t):
         denominator = sum(math.exp(float(z[i] @ z[k]) / t) for k in range(2 * n) if k != i)
         return -math.log(math.exp(float(z[i] @ z[j]) / t) / denominator)
 
-    return torch.tensor([0.5 * (l(i, i + n) + l(i + n, i)) for i in range(n)], dtype=torch.float64)
+    weight = 1.0 if directions == "sum" else 0.5
+    return torch.tensor([weight * (l(i, i + n) + l(i + n, i)) for i in range(n)], dtype=torch.float64)
 
 
-def test_nt_xent_matches_brute_force():
+@pytest.mark.parametrize("directions", ["mean", "sum"])
+def test_nt_xent_matches_brute_force(directions):
     torch.manual_seed(0)
     z_a, z_b = torch.randn(6, 5), torch.randn(6, 5)
     for t in (0.1, 0.5, 1.0):
-        got = nt_xent_per_sample(z_a, z_b, t)
+        got = nt_xent_per_sample(z_a, z_b, t, directions=directions)
         assert got.shape == (6,)
-        torch.testing.assert_close(got.double(), brute_force_nt_xent(z_a, z_b, t), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), brute_force_nt_xent(z_a, z_b, t, directions), rtol=1e-5, atol=1e-5)
 
 
 def test_nt_xent_identical_views_and_no_negatives_limit():
@@ -43,6 +46,8 @@ def test_nt_xent_rejects_bad_arguments():
         nt_xent_per_sample(torch.randn(2, 3), torch.randn(2, 3), 0)
     with pytest.raises(ValueError, match=r"\(B, D\)"):
         nt_xent_per_sample(torch.randn(2, 3), torch.randn(3, 3), 0.1)
+    with pytest.raises(ValueError, match="directions='add' must be one of"):
+        nt_xent_per_sample(torch.randn(2, 3), torch.randn(2, 3), 0.1, directions="add")
 
 
 def _gathered_worker(rank, port, z_a, z_b, queue):

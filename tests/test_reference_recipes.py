@@ -172,8 +172,11 @@ def test_the_simclr_cifar_preset_holds_google_research_simclrs_cifar_command():
     """README.md: run.py --train_batch_size=512 --train_epochs=1000 --learning_rate=1.0 --weight_decay=1e-4
     --temperature=0.5 --resnet_depth=18 --use_blur=False --color_jitter_strength=0.5, with run.py's defaults for
     the rest (LARS, momentum 0.9, 10 warm-up epochs, linear lr scaling, num_proj_layers 3 of the backbone's width,
-    proj_out_dim 128); strength s: brightness, contrast, saturation 0.8 s, hue 0.2 s (data_util.py:74-77)."""
+    proj_out_dim 128); strength s: brightness, contrast, saturation 0.8 s, hue 0.2 s (data_util.py:74-77); NT-Xent's two
+    directions summed (objective.py:86), where the ImageNet preset's reference (automl/hvp) averages them."""
     cfg = load_config(CONFIGS / "simclr_cifar_folder.yaml")
+    assert cfg.method.directions == "sum"
+    assert load_config(CONFIGS / "simclr_imagenet_folder.yaml").method.directions == "mean"
     o, group, m = cfg.optim, cfg.data.views[0], cfg.model
     assert (cfg.data.batch_size, o.epochs, o.lr, o.lr_scaling, o.weight_decay) == (512, 1000, 1.0, "linear", 1e-4)
     assert (o.name, o.momentum, o.warmup_epochs, cfg.method.temperature) == ("lars", 0.9, 10, 0.5)
@@ -229,3 +232,11 @@ def test_biases_and_normalisation_are_decayed_as_in_the_methods_reference(config
 
     assert decays() == (reference, reference)
     assert decays([f"optim.decay_norm_and_bias={str(not reference).lower()}"]) == (not reference, not reference)
+
+
+@pytest.mark.parametrize("config", sorted(path.name for path in CONFIGS.glob("*_cifar_folder.yaml")))
+def test_the_cifar_presets_write_their_32_px_images_raw_not_as_jpeg(config):
+    """The references read CIFAR's pixels as they are; a JPEG of a 32 px image (the writer's default, quality 90)
+    subsamples its colour to 16 px. Every CIFAR preset's write commands say --write-mode raw, for train and val."""
+    writes = [line for line in (CONFIGS / config).read_text().splitlines() if "python -m pretrain.data write " in line]
+    assert len(writes) == 2 and all(line.rstrip().endswith("--write-mode raw") for line in writes), writes

@@ -100,6 +100,28 @@ def test_supcon_matches_brute_force(k, supervised):
                                brute_force_per_sample(z, labels, T), rtol=1e-5, atol=1e-5)
 
 
+def test_supcon_with_a_base_temperature_scales_its_loss_as_supcontrast_and_its_preset_sets_it():
+    """SupContrast's loss is -(t / base_temperature) x the mean log-probability of the positives (losses.py:103; base
+    0.07): method.base_temperature gives that factor on the loss, not on the Lemma-1 means (the coefficients the
+    scalars report); null (the TCL authors' SupCon, the Fashion-MNIST and digits presets) gives none. The CIFAR preset
+    follows SupContrast."""
+    z, labels = unit_views(5, 2, seed=7), LABELS
+    for base, factor in ((None, 1.0), (0.07, T / 0.07)):
+        cfg = load_config(CONFIGS / "supcon_digits.yaml", ["model.proj_hidden_dim=32", "model.proj_out_dim=16",
+                                                        f"method.temperature={T}", f"method.base_temperature={base}"
+                                                        if base else "method.base_temperature=null"])
+        method = build_method(cfg)
+        torch.testing.assert_close(method.per_sample(z, labels, False), factor * brute_force_per_sample(z, labels, T))
+        loss, means = method.loss_and_gradient_means(z, labels, False)
+        torch.testing.assert_close(loss, factor * brute_force_per_sample(z, labels, T))
+        for got, want in zip(means, brute_force_figure3(z, labels, T)):
+            assert float(got) == pytest.approx(want, rel=1e-6)
+    assert load_config(CONFIGS / "supcon_cifar_folder.yaml").method.base_temperature == 0.07
+    assert load_config(CONFIGS / "supcon_fashion_mnist.yaml").method.base_temperature is None
+    with pytest.raises(ConfigError, match="method.base_temperature=0.0 must be positive"):
+        load_config(CONFIGS / "supcon_digits.yaml", ["method.base_temperature=0"])
+
+
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("supervised", [False, True])
 def test_tcl_matches_brute_force(k, supervised):
@@ -194,9 +216,9 @@ def test_bad_arguments_are_refused_with_the_value():
         supcon_per_sample(z, None, 0)
     with pytest.raises(ValueError, match=r"\(B, k, D\) with k >= 2"):
         supcon_per_sample(z[:, :1], None, T)
-    with pytest.raises(ValueError, match="L2-normalised"):
+    with pytest.raises(RuntimeError, match="L2-normalised"):
         tcl_per_sample(3 * z, None, T, 5000.0, 1.0)
-    with pytest.raises(ValueError, match="labels=None"):
+    with pytest.raises(RuntimeError, match="labels=None"):
         supcon_per_sample(z, torch.tensor([0, -1, 2]), T)
     with pytest.raises(ValueError, match=r"labels must be \(B,\)"):
         supcon_per_sample(z, torch.tensor([0, 1]), T)

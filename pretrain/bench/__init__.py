@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|peers|train|precision|workers [options]`. Each prints a table and writes JSON.
+"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|gpu-check|peers|train|precision|workers [options]`. Each prints a table and writes JSON.
 
 `loader` measures images/s of the FFCV N-view loader against the torchvision DataLoader path on the same
 64 px JPEGs (an image folder and the .beton written from it), N = 2 and 4 views of 32 px, SimCLR recipe
@@ -14,6 +14,8 @@ cores per GPU, and (2) images per CPU second when everything runs on the CPU.
 `train` times the whole pretraining step against a plain PyTorch loop of the same model, splits it by phase, and
 runs it on 2 processes and beside busy ones.
 `precision` times the same ResNet-18 step in fp32 and under bf16 autocast in alternating rounds, on this CPU.
+`gpu-check` runs tests/gpu, `train` at ImageNet sizes and `gpu` in at most 8 minutes on a GPU (`--dry-run`: checks
+its parts on the CPU, in `make test`).
 `workers` times an epoch of the torchvision backend's workers started from the forkserver against forked ones.
 One module per benchmark (loader, hvs, gpu, peers, train, precision, workers), each with its `add_<name>_command(commands)`, called in
 `build_parser`; images.py makes the images they read.
@@ -28,6 +30,7 @@ from pathlib import Path
 # (and --help) pays. The project's training modules (pretrain.config, the loaders, methods, the loop: omegaconf,
 # cv2, FFCV, timm, deepspeed) are imported inside the function of the benchmark that uses them ("heavy:").
 from pretrain.bench.gpu import add_gpu_command
+from pretrain.bench.gpu_check import add_gpu_check_command
 from pretrain.bench.hvs import add_hvs_command
 from pretrain.bench.loader import add_loader_command
 from pretrain.bench.peers import add_peers_command
@@ -44,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_loader_command(commands)
     add_hvs_command(commands)
     add_gpu_command(commands)
+    add_gpu_check_command(commands)
     add_peers_command(commands)
     add_train_command(commands)
     add_precision_command(commands)

@@ -140,11 +140,12 @@ def add_loader_command(commands) -> None:
     loader.add_argument("--photo-size", choices=tuple(PHOTO_SIZES), default="400x350",
                         help="imagenet: the JPEGs' size, ImageNet's typical or its largest. Default: 400x350.")
     loader.set_defaults(run=run_loader_benchmark)
-    case = commands.add_parser("loader-case", help=argparse.SUPPRESS)
-    case.add_argument("--case", required=True)
-    case.add_argument("--batch-size", type=positive_int, default=64)
-    case.add_argument("--workers", type=positive_int, default=2)
-    case.add_argument("--epochs", type=positive_int, default=2)
+    case = commands.add_parser("loader-case", help="one case of `bench loader`, measured in a process of its "
+                                                    "own (`bench loader` runs it; not for use by hand)")
+    case.add_argument("--case", required=True, help="the case's name, as `bench loader` names it")
+    case.add_argument("--batch-size", type=positive_int, default=64, help="images per batch. Default: 64.")
+    case.add_argument("--workers", type=positive_int, default=2, help="loader workers. Default: 2.")
+    case.add_argument("--epochs", type=positive_int, default=2, help="epochs timed. Default: 2.")
     case.set_defaults(run=lambda args: print(json.dumps(run_loader_case(args))) or {}, out=None)
 
 

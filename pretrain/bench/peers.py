@@ -11,8 +11,8 @@ For each method (SimCLR, SimSiam) and seed, two runs of the same recipe, scored 
   batch and epochs; its backbone is written as this project's export.
 Both exports are scored by `python -m eval knn` (k = 20) and `python -m eval linear` on the 10,000 test images
 after every epoch; images/s is the median of the logged windows of each run (loader included). What still differs
-between the two sides (BatchNorm's batch first: the peer normalises each view on its own) is DIFFERENCES, printed
-under the table and kept in the JSON.
+between the two sides (BatchNorm's batch first: for SimCLR the peer normalises each view on its own) is DIFFERENCES,
+printed under the table and kept in the JSON.
 
 lightly is the benchmark's optional extra, never the package's: `make bench-peers` installs it
 (`pip install --no-deps lightly==1.6.0 lightning-utilities`, over this project's torch and torchvision).
@@ -42,12 +42,13 @@ RECIPES = {   # the project's config and what the comparison sets on both sides
 LIGHTLY_INSTALL = "make bench-peers (pip install --no-deps lightly==1.6.0 lightning-utilities)"
 # What still differs between the two sides, printed under the table and kept in the JSON (docs/benchmarks.md).
 DIFFERENCES = [
-    "BatchNorm's batch: the peer (lightly's examples) passes each view through the backbone and the heads on its own, "
-    "so every BatchNorm normalises over the B images of one view; this project passes a view group's views together "
-    "(pretrain/methods/base.py: encode_view_groups), over 2B images, as google-research/simclr and "
-    "facebookresearch/simsiam do",
-    "weight decay: the peer decays every parameter, this project's configs leave norms and biases undecayed "
-    "(optim.decay_norm_and_bias=true decays them)",
+    "BatchNorm's batch, SimCLR: the peer (lightly's examples) passes each view through the backbone and the heads on "
+    "its own, so every BatchNorm normalises over the B images of one view; this project's SimCLR passes the 2 views "
+    "together (pretrain/methods/base.py: encode_view_groups), over 2B images, as google-research/simclr does. SimSiam: "
+    "both sides pass each view on its own (method.per_view_batchnorm, as facebookresearch/simsiam's builder.py)",
+    "weight decay, SimCLR: the peer decays every parameter, this project's SimCLR config leaves norms and biases "
+    "undecayed as google-research/simclr (optim.decay_norm_and_bias=true decays them). SimSiam: both decay every "
+    "parameter (facebookresearch/simsiam)",
     "the SimCLR projector's last BatchNorm: affine in lightly's head, scale-only here (google-research/simclr)",
     "the views: lightly's transform on PIL images through a torchvision DataLoader, this project's FFCV loader and "
     "its own augmentations, at the recipe's settings",

@@ -5,7 +5,7 @@ The step is the reference step of the test suite (tests/machine_speed.py): one f
 project's ResNet-18 with its stride-2 stem (--arch, --stem: another backbone) on a batch of 16-px images. Each round
 times one step of each precision (after one untimed warm-up step of each); the table gives each precision's median step
 and range over the rounds, and the ratio bf16 / fp32 of each round as median and range. The CPU is named, with whether
-it has native bf16 (pretrain/runtime/cpu_bf16.py) and torch's instruction set (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA
+it has native bf16 (pretrain/runtime/bf16_support.py) and torch's instruction set (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA
 cap it).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def median_and_range(values: list[float]) -> dict:
 
 
 def run_precision_benchmark(args: argparse.Namespace) -> dict:
-    from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native, cpu_description
+    from pretrain.runtime.bf16_support import cpu_bf16_is_native, cpu_description
 
     step = ReferenceStep(args.batch_size, args.size, args.arch, args.stem)
     step.seconds(False), step.seconds(True)                       # warm-up: allocator, oneDNN's kernels

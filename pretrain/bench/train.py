@@ -41,10 +41,13 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile as profiler
 
+from pretrain.bench.machine import machine_heading, this_machine
+from pretrain.bench.train_tables import print_tables
 from pretrain.bench.precision import median_and_range
 from pretrain.data.views import ViewBatch
 from pretrain.hvs import select_hard_views
 from pretrain.runtime.argument_types import positive_int
+from pretrain.runtime.device_reads import DeviceReads
 from pretrain.runtime.distributed import init_distributed, release_distributed
 
 FASHION_MNIST = ["configs/pretrain/simclr_fashion_mnist.yaml", "configs/pretrain/simsiam_fashion_mnist.yaml",
@@ -113,12 +116,15 @@ class FixedViews:
             yield self.batch
 
 
-def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[float], dict[str, float]]:
+def project_step_seconds(cfg, steps: int, profile: bool = False,
+                         reads: DeviceReads | None = None) -> tuple[list[float], dict[str, float]]:
     """Seconds between consecutive optimizer steps of the real loop on a fixed batch; with `profile`, the CPU
-    milliseconds per step of every `hardview/...` range the loop and the methods mark."""
+    milliseconds per step of every `hardview/...` range the loop and the methods mark; with `reads`, the device-to-host
+    reads counted per step (`reads.reads[0]`: before the first step; `reads.reads[i]`: step i's, from the loop's
+    `set_schedule_values` at its start to the next step's, its logging and checkpoint included)."""
     # heavy: deepspeed, timm, omegaconf, cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.pretraining import Pretraining
-    from pretrain.runtime.loop import run_training
+    from pretrain.runtime import loop
 
     stamps: list[float] = []
 
@@ -140,10 +146,18 @@ def project_step_seconds(cfg, steps: int, profile: bool = False) -> tuple[list[f
             return method
 
     phases = {}
+    set_schedule_values = loop.set_schedule_values            # the start of every optimizer step
+
+    def start_of_a_step(*args, **kwargs) -> None:
+        reads.mark_step()
+        set_schedule_values(*args, **kwargs)
+    if reads is not None:
+        loop.set_schedule_values = start_of_a_step
     try:                  # the group of one ends with the run: a process started later must not take it for its own
-        with profiler(activities=[ProfilerActivity.CPU]) if profile else nullcontext() as prof:
-            run_training(Stage(cfg))
+        with profiler(activities=[ProfilerActivity.CPU]) if profile else nullcontext() as prof, reads or nullcontext():
+            loop.run_training(Stage(cfg))
     finally:
+        loop.set_schedule_values = set_schedule_values
         release_distributed()
     if profile:           # the checkpoint at the end is once per run, not per step: left out
         for event in prof.key_averages():
@@ -229,6 +243,11 @@ def run_case(args: argparse.Namespace) -> dict:
             _, _, device = init_distributed()     # a group of one (DINO's centre is all-reduced), on the GPU if any
             seconds = plain_step_seconds(cfg, case["steps"], device, case.get("variant"))
             release_distributed()
+        elif case.get("count_reads"):       # a run of its own: the timed runs go unpatched
+            reads = DeviceReads()
+            seconds, _ = project_step_seconds(cfg, case["steps"], reads=reads)
+            return {"seconds": seconds, "reads": reads.per_step(),
+                    "read_sites": [dict(step) for step in reads.reads]}
         else:
             seconds, _ = project_step_seconds(cfg, case["steps"])
     return {"seconds": seconds}
@@ -244,6 +263,13 @@ WAIT_POLICIES = {"passive, 1000 spins": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPI
 
 def timed_in_a_process(case: dict, processes: int = 1, environ: dict | None = None) -> list[float]:
     """Run one case in a process of its own (or `processes` under torchrun); the seconds of its steps (rank 0)."""
+    return case_in_a_process(case, processes, environ)["seconds"]
+
+
+def case_in_a_process(case: dict, processes: int = 1, environ: dict | None = None) -> dict:
+    """Run one case in a process of its own (or `processes` under torchrun); what `run_case` returned on rank 0:
+    the seconds of its steps, and with "count_reads" (the project's side) its device-to-host reads per step
+    (`DeviceReads`)."""
     launcher = [sys.executable, "-m", "pretrain.bench"] if processes == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m",
          "pretrain.bench"]
@@ -251,7 +277,7 @@ def timed_in_a_process(case: dict, processes: int = 1, environ: dict | None = No
                               env={**os.environ, **(environ or {})})
     if finished.returncode:
         raise SystemExit(f"error: the case {json.dumps(case)} failed:\n{finished.stderr[-3000:]}")
-    return json.loads([line for line in finished.stdout.splitlines() if line.startswith("{")][-1])["seconds"]
+    return json.loads([line for line in finished.stdout.splitlines() if line.startswith("{")][0])
 
 
 def alternating_rounds(sides: dict[str, dict], rounds: int, cfg, warmup: int, label: str) -> list[dict]:
@@ -283,36 +309,21 @@ def project_against_plain(name: str, cfg, common: dict, rounds: int, warmup: int
                                rounds, cfg, warmup, name)
     per_round = [{"project": round(r["project"], 1), "plain": round(r["plain"], 1),
                   "ratio": round(r["plain"] / r["project"], 3), "order": r["order"]} for r in timed]
-    return {"case": name, "batch": cfg.data.batch_size,
+    reads = case_in_a_process({**common, "plain": False, "count_reads": True})["reads"]   # one more run
+    return {"case": name, "batch": cfg.data.batch_size, "reads": reads_per_step(reads, cfg.engine.log_every_steps),
             "project_images_per_s": median_and_range([r["project"] for r in timed]),
             "plain_images_per_s": median_and_range([r["plain"] for r in timed]),
             "plain_over_project": median_and_range([r["plain"] / r["project"] for r in timed]),
             "rounds": per_round}
 
 
-def this_machine() -> dict:
-    """What a speed depends on besides the code: the machine as a run's provenance records it (CPU model, cores,
-    the cores this process may use, torch's threads, GPUs), and the CPU's instruction sets as torch sees them:
-    AVX-512 (avx512f), AVX-512 BF16 and AMX (bf16 in hardware), the capability ATen's kernels use (AVX2 or AVX512,
-    capped by ATEN_CPU_CAPABILITY), and whether bf16 runs natively here (pretrain/runtime/cpu_bf16.py)."""
-    from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native
-    from pretrain.runtime.provenance import machine_description
-
-    return {**machine_description(), "avx512f": torch.cpu._is_avx512_supported(),
-            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported(),
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_bf16_is_native()}
-
-
-def machine_heading(machine: dict) -> str:
-    """`this_machine()` in one line: the GPU (where the cases run on it) or the CPU and its instruction sets, then the
-    cores and threads, e.g. 'AMD EPYC (avx512f: no, avx512_bf16: no, amx: no; torch: AVX2), 2 cores, 2 threads'."""
-    def has(flag: str) -> str:
-        return "yes" if machine[flag] else "no"
-
-    cpu = (f"{machine['cpu'] or 'an unnamed CPU'} (avx512f: {has('avx512f')}, avx512_bf16: {has('avx512_bf16')}, "
-           f"amx: {has('amx')}; torch: {machine['torch_cpu_capability']})")
-    where = f"{machine['gpus'][0]}, on {cpu}" if machine["gpus"] else cpu
-    return f"{where}, {machine['cpu_count']} cores, {machine['torch_threads']} threads"
+def reads_per_step(reads: list[int], log_every: int) -> dict:
+    """The device-to-host reads of a run's steps (`DeviceReads.per_step`: index 0 before the first step): the most
+    of a step that neither logs nor checkpoints (the bench's runs checkpoint at their last step only), and of a step
+    that logs."""
+    steps = range(1, len(reads))
+    return {"quiet_step_max": max((reads[s] for s in steps if s % log_every and s != steps[-1]), default=0),
+            "logging_step_max": max((reads[s] for s in steps if not s % log_every), default=0), "per_step": reads[1:]}
 
 
 def busy_processes(count: int) -> list[subprocess.Popen]:
@@ -445,44 +456,6 @@ def contention(case, args, data: Path) -> list[dict]:
     return rows
 
 
-def print_tables(result: dict) -> None:
-    overrides = f"; every table with {' '.join(result['overrides'])}" if result["overrides"] else ""
-    print(f"\nthe pretraining step against a plain PyTorch loop of the same model "
-          f"({machine_heading(result['machine'])}; a run's images/s: the median of {result['steps']} steps after "
-          f"{result['warmup']}; {result['rounds']} alternating rounds, each side in a process of its own; plain / "
-          f"project per round{overrides})")
-    print(f"{'case':<24}{'batch':>6}{'project images/s':>18}{'plain images/s':>16}{'plain / project':>17}"
-          f"{'range':>14}{'rounds':>8}")
-    print(f"{'':<30}{'(median)':>18}{'(median)':>16}{'(median)':>17}")
-    for row in result["rows"]:
-        ratio = row["plain_over_project"]
-        print(f"{row['case']:<24}{row['batch']:>6}{row['project_images_per_s']['median']:>18.1f}"
-              f"{row['plain_images_per_s']['median']:>16.1f}{ratio['median']:>17.3f}"
-              f"{ratio['min']:>8.3f}-{ratio['max']:.3f}{len(row['rounds']):>8}")
-    if "plain_variants" in result:
-        print(f"\nthe plain loop with a variant: images/s and variant / as it is per round, median (range) over "
-              f"{result['rounds']} alternating rounds")
-        for row in result["plain_variants"]:
-            rate, gain = row["plain_images_per_s"], row["over_as_it_is"]
-            print(f"  {row['case']:<24}{row['variant']:<16}{rate['median']:8.1f} ({rate['min']:.1f}-{rate['max']:.1f})"
-                  f"  {gain['median']:.3f}x ({gain['min']:.3f}-{gain['max']:.3f})")
-    if "split" not in result:
-        return
-    split = result["split"]
-    print(f"\n{split['case']}: where a step's time goes (ms per step; the step {split['step_ms_profiled']:.1f} ms "
-          f"under the profiler), and the loader's time per batch of the same recipe: {split['loader_ms_per_batch']:.1f} "
-          "ms (the real FFCV loader, overlapping the step in training)")
-    for phase, ms in sorted(split["phases_ms"].items(), key=lambda item: -item[1]):
-        print(f"  {phase:<40}{ms:9.1f}")
-    two = result["processes"]
-    print(f"\n{two['case']}, global batch {two['global_batch']}: 1 process {two['one_process_images_per_s']:.1f} "
-          f"images/s, 2 processes (gloo) {two['two_processes_images_per_s']:.1f} images/s")
-    print("\nbeside K busy processes: images/s against the fair share (idle / (K + 1)); goal >= 0.8")
-    for row in result["contention"]:
-        print(f"  OpenMP {row['wait_policy']:<20} K={row['busy_processes']}: {row['images_per_s']:8.1f} images/s, "
-              f"fair share {row['fair_share']:8.1f}, {row['of_fair_share']:.2f} of it")
-
-
 def add_train_command(commands) -> None:
     parser = commands.add_parser("train", help="the pretraining step against a plain PyTorch loop of the same model",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -509,6 +482,7 @@ def add_train_command(commands) -> None:
                              "missing; default: data/fashion_mnist)")
     parser.add_argument("--out", default="bench/train.json", help="where the JSON result goes")
     parser.set_defaults(run=run_train_benchmark)
-    case = commands.add_parser("train-case", help=argparse.SUPPRESS)
-    case.add_argument("--case", required=True)
+    case = commands.add_parser("train-case", help="one case of `bench train`, measured in a process of its "
+                                                    "own (`bench train` runs it; not for use by hand)")
+    case.add_argument("--case", required=True, help="the case's name, as `bench train` names it")
     case.set_defaults(run=lambda args: print(json.dumps(run_case(args))) or {}, out=None)

@@ -31,7 +31,8 @@ training device:
    (torchvision draws a random order), then grayscale with `grayscale_p`. All five are affine maps of RGB,
    so they are composed into one per-view 3x3 matrix + offset and applied in one matmul, clamped
    to [0, 1] once at the end (torchvision clamps after every step; results differ only where an
-   intermediate step saturates). Then gaussian blur, solarisation, and normalisation with mean / std.
+   intermediate step saturates). Then gaussian blur (pretrain/data/blur.py), solarisation, and normalisation with
+   mean / std.
 
 Hue is shifted by rotating the chroma plane in YIQ space by `2 * pi * h` (h uniform in [-hue, hue]); this is
 a linear approximation of torchvision's HSV hue shift that avoids the piecewise RGB <-> HSV conversion.
@@ -46,10 +47,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import cv2
 import torch
 import torch.nn.functional as F
 
+from pretrain.data.blur import blur_kernel_size, gaussian_blur_
 from pretrain.data.views import ViewGroup
 from pretrain.runtime.cpu_threads import one_thread_on_cpu
 from pretrain.runtime.memory_reuse import advise_huge_pages
@@ -62,14 +63,6 @@ RGB_TO_YIQ = torch.tensor([[0.299, 0.587, 0.114],
                            [0.595716, -0.274453, -0.321263],
                            [0.211456, -0.522591, 0.311135]], dtype=torch.float64)
 YIQ_TO_RGB = torch.linalg.inv(RGB_TO_YIQ)
-
-
-def blur_kernel_size(view_size: int) -> int:
-    """Gaussian blur kernel side for a view of `view_size` px: the odd number nearest 10% of the side, >= 3.
-
-    SimCLR's rule (kernel = 10% of the image side); both loader backends use it so their blur matches.
-    """
-    return max(3, int(round(0.1 * view_size)) // 2 * 2 + 1)
 
 
 def _uniform(low: float, high: float, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -293,46 +286,6 @@ def colour_matrices(brightness: torch.Tensor, contrast: torch.Tensor, saturation
     # contrast: b x -> c (b x) + (1 - c) * mean_luma(b x) = c b x + (1 - c) b mean_luma(x)
     mean_coefficient = (after_contrast @ torch.ones(3, 1, dtype=dtype)).squeeze(2) * ((1 - contrast) * brightness).view(-1, 1)
     return matrix, mean_coefficient, luma
-
-
-def gaussian_kernels(sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """(K, kernel_size) float64 CPU 1-D Gaussian kernels, one per sigma (K,), each summing to 1."""
-    radius = kernel_size // 2
-    offsets = torch.arange(-radius, radius + 1, dtype=torch.float64)
-    kernel = torch.exp(-0.5 * (offsets[None, :] / sigma.to(torch.float64)[:, None]) ** 2)
-    return kernel / kernel.sum(dim=1, keepdim=True)
-
-
-def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """Blur every (3, H, W) image of `images` with its own sigma (K,), separable kernel, reflect padding."""
-    count, channels, height, width = images.shape
-    radius = kernel_size // 2
-    kernel = gaussian_kernels(sigma, kernel_size).to(images.device, images.dtype)
-    kernel = kernel.repeat_interleave(channels, dim=0)            # (K * 3, kernel_size)
-    flat = images.reshape(1, count * channels, height, width)
-    flat = F.pad(flat, (radius, radius, radius, radius), mode="reflect")
-    flat = F.conv2d(flat, kernel.view(-1, 1, 1, kernel_size), groups=count * channels)
-    flat = F.conv2d(flat, kernel.view(-1, 1, kernel_size, 1), groups=count * channels)
-    return flat.view(count, channels, height, width)
-
-
-def gaussian_blur_(views: torch.Tensor, chosen: torch.Tensor, sigma: torch.Tensor, kernel_size: int,
-                   opencv: bool = True) -> None:
-    """Blur views[chosen] (K, 3, H, W), contiguous, in place, view chosen[i] with sigma[i]: `gaussian_blur`.
-
-    On the CPU (with `opencv`) each plane goes through OpenCV's separable filter with the same kernel and border
-    (reflect without repeating the edge, BORDER_REFLECT_101): 5x less CPU time than PyTorch's grouped
-    convolution (oneDNN's depthwise kernel for 1-D filters), the same values to float32 rounding. Elsewhere, and
-    for the CPU's small views (whose results, the digits runs', were measured with it): the convolution.
-    """
-    if views.device.type != "cpu" or not opencv:
-        on_device = chosen.to(views.device)
-        views.index_copy_(0, on_device, gaussian_blur(views.index_select(0, on_device), sigma, kernel_size))
-        return
-    planes = views.numpy()
-    for view, kernel in zip(chosen.tolist(), gaussian_kernels(sigma, kernel_size).float().numpy()):
-        for plane in planes[view]:
-            cv2.sepFilter2D(plane, -1, kernel, kernel, dst=plane, borderType=cv2.BORDER_REFLECT_101)
 
 
 def colour_views(views: torch.Tensor, matrix: torch.Tensor, mean_coefficient: torch.Tensor,

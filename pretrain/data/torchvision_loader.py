@@ -19,7 +19,7 @@ from torchvision import transforms
 from torchvision.transforms import functional as TF
 
 from pretrain.data import DatasetError
-from pretrain.data.augment import blur_kernel_size
+from pretrain.data.blur import blur_kernel_size
 from pretrain.data.seeding import seeded_generator
 from pretrain.data.views import ViewGroup
 from pretrain.data.writer import list_image_folder

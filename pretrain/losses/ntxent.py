@@ -6,7 +6,11 @@ per-sample form as used for hard view selection in HVS (Ferreira et al.), append
     l(i, j) = -log  exp(sim(z_i, z_j) / t) / sum_{k != i} exp(sim(z_i, z_k) / t)
 
 over the 2B embeddings of the two views of a batch (2B - 1 candidates per anchor), sim = cosine.
-The loss of sample i is the mean of its two directions, (l(a_i, b_i) + l(b_i, a_i)) / 2.
+The loss of sample i is the mean of its two directions, (l(a_i, b_i) + l(b_i, a_i)) / 2, as the HVS authors'
+SimCLR (automl/hvp) and lightly take it; `directions="sum"` is google-research/simclr's (objective.py:86,
+`loss = loss_a + loss_b`): twice the loss, which with LARS is not only a learning rate (LARS scales each layer's step
+by its weight norm over its gradient's, so the decay of the LARS-scaled layers weighs half as much, and the step of
+the layers LARS leaves out, BatchNorm and biases, doubles).
 
 Balance (Sors et al., "Simple and Effective Balance of Contrastive Losses", paper 000, eqs. 3-5 and 8):
 with d = 1 - sim, l(i, j) = l_p + l_e, the positive term l_p = d(z_i, z_j) / t and the entropy term
@@ -22,8 +26,12 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
 
 
+DIRECTIONS = ("mean", "sum")
+
+
 def nt_xent_per_sample(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float,
-                       gather_negatives: bool = False, lambda_p: float = 1.0, lambda_e: float = 1.0) -> torch.Tensor:
+                       gather_negatives: bool = False, lambda_p: float = 1.0, lambda_e: float = 1.0,
+                       directions: str = "mean") -> torch.Tensor:
     """Per-sample NT-Xent loss.
 
     Args:
@@ -33,6 +41,7 @@ def nt_xent_per_sample(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float,
             negatives (gradients flow back through the gather); otherwise only the local batch.
         lambda_p, lambda_e: weights of the positive and the entropy term (paper 000, eq. 5); >= 0, and 1, 1 is
             NT-Xent.
+        directions: "mean" (automl/hvp, lightly) or "sum" (google-research/simclr) of the two directions' losses.
 
     Returns:
         (B,) loss of every local sample.
@@ -44,6 +53,9 @@ def nt_xent_per_sample(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float,
         raise ValueError(f"temperature={temperature} must be positive (SimCLR uses 0.1-0.5)")
     if min(lambda_p, lambda_e) < 0:
         raise ValueError(f"lambda_p={lambda_p} and lambda_e={lambda_e} must be >= 0 (1 and 1: NT-Xent)")
+    if directions not in DIRECTIONS:
+        raise ValueError(f"directions={directions!r} must be one of {DIRECTIONS} (how the two directions' losses "
+                         "combine: mean, or google-research/simclr's sum)")
     if z_a.shape != z_b.shape or z_a.dim() != 2:
         raise ValueError(f"z_a and z_b must both be (B, D); got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
     z_a, z_b = F.normalize(z_a, dim=1), F.normalize(z_b, dim=1)
@@ -68,4 +80,5 @@ def nt_xent_per_sample(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float,
         entropy = torch.logsumexp(logits, dim=1) - 1 / temperature
         return lambda_p * positive + lambda_e * entropy
 
-    return 0.5 * (one_direction(z_a, own, own + total) + one_direction(z_b, own + total, own))
+    both = one_direction(z_a, own, own + total) + one_direction(z_b, own + total, own)
+    return both if directions == "sum" else 0.5 * both

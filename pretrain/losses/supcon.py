@@ -86,19 +86,20 @@ def contrast_set(z: torch.Tensor, labels: torch.Tensor | None = None, gather_neg
         raise ValueError(f"z must be (B, k, D) with k >= 2 views per image (the other views are the positives; "
                          f"k >= 1 with labels); got shape {tuple(z.shape)}")
     with torch.no_grad():
+        # Asserted on the device: RuntimeError at once on the CPU; on a GPU an asynchronous device-side assert (the
+        # process stops at its next synchronisation), where reading the norms back would make the host wait for
+        # the device's queue at every call, several a step under hard view selection.
         norms = z.detach().float().norm(dim=-1)
-        worst = (norms - 1).abs().max().item()
-    if worst > NORM_TOLERANCE:
-        raise ValueError(f"z must be L2-normalised along its last dimension (|z| is {worst + 1:.4g} or "
-                         f"{1 - worst:.4g} for some view); pass F.normalize(z, dim=-1)")
+        torch._assert_async((norms - 1).abs().max() <= NORM_TOLERANCE,
+                            f"z must be L2-normalised along its last dimension (|z| is more than {NORM_TOLERANCE} "
+                            "from 1 for some view); pass F.normalize(z, dim=-1)")
     batch, views = z.shape[:2]
     if labels is not None:
         if labels.shape != (batch,):
             raise ValueError(f"labels must be (B,) = ({batch},) class indices, got shape {tuple(labels.shape)}")
-        if (labels < 0).any():
-            raise ValueError("labels contain negative values (-1: unknown class); pass labels=None for the "
-                             "self-supervised loss, or labels of every image")
         labels = labels.to(z.device)
+        torch._assert_async((labels >= 0).all(), "labels contain negative values (-1: unknown class); pass "
+                            "labels=None for the self-supervised loss, or labels of every image")   # as |z| above
 
     everyone, all_labels, offset = z, labels, 0
     if gather_negatives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

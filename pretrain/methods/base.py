@@ -56,7 +56,7 @@ from torch.profiler import record_function
 
 from pretrain.data.views import ViewBatch
 from pretrain.data.writer import classes_path
-from pretrain.hvs import select_hard_views
+from pretrain.hvs import candidate_combinations, select_hard_views
 from pretrain.online_monitors import OnlineLinearProbe, rankme
 from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.task import BatchLoss, BatchPosition, Scalar, TrainingTask
@@ -89,6 +89,17 @@ class Method(TrainingTask):
         """Whether the method trains on class labels with these settings (unlabeled data is refused then)."""
         return False
 
+    def refuse_unknown_labels(self, labels: torch.Tensor, message: str) -> None:
+        """ConfigError(`message`) when `labels` holds -1 (an image of unknown class), checked on the first batch this
+        method sees only: the writer writes a file's labels all known or all -1 (pretrain/data/writer.py), and the
+        check reads the labels back from the device, which on a GPU waits for its queue: once a run, not once a
+        step (tests/test_device_reads.py)."""
+        if self.__dict__.get("labels_known"):
+            return
+        if (labels < 0).any():
+            raise ConfigError(message)
+        self.__dict__["labels_known"] = True
+
     def forward(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -102,7 +113,8 @@ class Method(TrainingTask):
         forward, bf16 weight copies cached in the selection forward would break the training backward.
         """
         hvs, views, selection = self.hvs, batch.views, None
-        if hvs.enabled:
+        every_combination = hvs.enabled and hvs.mode == "all"           # no scoring: the whole pool trains
+        if hvs.enabled and not every_combination:
             with autocast(), record_function("hardview/selection"):
                 selection = select_hard_views(engine, self, batch.views, batch.boxes, batch.labels, self.train_counts,
                                               hvs.mode, hvs.selection_size, hvs.max_candidates, position.rng())
@@ -110,7 +122,9 @@ class Method(TrainingTask):
         with autocast(), record_function("hardview/forward"):
             outputs = engine(views)
         with record_function("hardview/loss"):
-            loss = self.loss({name: tensor.float() for name, tensor in outputs.items()}, batch.labels)
+            fp32 = {name: tensor.float() for name, tensor in outputs.items()}
+            loss = self.every_combination_loss(fp32, batch, position) if every_combination else \
+                self.loss(fp32, batch.labels)
         with record_function("hardview/monitors"):
             scalars = self.monitor_scalars(outputs["features"], batch.labels) if "features" in outputs else {}
         if selection is None:
@@ -119,6 +133,27 @@ class Method(TrainingTask):
         return BatchLoss(loss, {**selection.stats, **scalars},
                          images=lambda: {"hvs/pool": self.denormalise(batch.views[0][:shown]),
                                          "hvs/selected": self.denormalise(selection.views[0][:shown])})
+
+    @classmethod
+    def trains_on_every_combination(cls) -> bool:
+        """Whether `hvs.mode=all` can train this method: its training loss must be the mean of `sample_loss` over the
+        trained views (the protocol's `loss`, kept by SimCLR and SimSiam). A method whose `loss` does more -- DINO
+        moves its centre from the teacher's outputs, s-MoCo enqueues keys, the TCL family keeps gradient means and
+        scores pairs otherwise than it trains -- would lose that in a mean of per-candidate losses."""
+        return cls.loss is Method.loss
+
+    def every_combination_loss(self, outputs: dict[str, torch.Tensor], batch: ViewBatch,
+                               position: BatchPosition) -> torch.Tensor:
+        """hvs.mode=all, the "all pairs" arm of a selection study (the multi-view loss HVS's reviewers asked for):
+        no scoring; `outputs` are one forward of the whole pool with gradients (`batch_loss`), and the loss is
+        averaged over every candidate combination (SimCLR with a pool of 4: its 6 pairs, each pair's NT-Xent against
+        the other images' views of the same pair), back-propagated through all of them. BatchNorm normalises over the
+        whole pool, as one forward of all the views does (and as the selection forward does); `hvs.max_candidates`
+        caps the combinations as it caps the scored ones. Its cost is what it is: the counted FLOPs of a step are
+        those of training on the pool."""
+        pools = [v.shape[1] for v in batch.views]
+        combinations = candidate_combinations(self.train_counts, pools, self.hvs.max_candidates, position.rng())
+        return self.candidate_losses(outputs, combinations, batch.labels).mean()
 
     # ==== online monitors (pretrain/online_monitors.py): on the training forward's backbone features ====
     def monitor_scalars(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, Scalar]:

@@ -320,13 +320,15 @@ class DINO(Method):
         totals = torch.cat([self.step_teacher_sum, self.step_teacher_stats])
         if world_size() > 1:
             dist.all_reduce(totals)
+        # A step without a training forward (which the engine's loop never takes) leaves the centre as it was; decided
+        # on the device (torch.where), since an `if` on `rows` would wait for the device once a step on a GPU.
         rows = totals[-2]
-        if rows == 0:          # no training forward in this step (cannot happen in the engine's loop)
-            return
+        trained = rows > 0
         center = self.center.to(totals.device)
         batch_center = totals[:-2] / rows
-        self.__dict__["center"] = center * self.center_momentum + batch_center * (1 - self.center_momentum)
-        self.__dict__["teacher_entropy"] = totals[-1] / rows
+        self.__dict__["center"] = torch.where(
+            trained, center * self.center_momentum + batch_center * (1 - self.center_momentum), center)
+        self.__dict__["teacher_entropy"] = torch.where(trained, totals[-1] / rows, self.teacher_entropy.to(rows.device))
         self.__dict__["step_teacher_sum"] = torch.zeros_like(self.step_teacher_sum)
         self.__dict__["step_teacher_stats"] = torch.zeros_like(self.step_teacher_stats)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from pretrain.losses.ntxent import nt_xent_per_sample
+from pretrain.losses.ntxent import DIRECTIONS, nt_xent_per_sample
 from pretrain.methods.base import Method, encode_view_groups, require_one_view_group
 from pretrain.models import backbone_from_config, projector_from_config
 from pretrain.runtime.config_error import ConfigError
@@ -30,6 +30,9 @@ class Options:
     gather_negatives: bool = True            # negatives from every process, not only the local batch
     lambda_p: float = 1.0                    # weight of the positive term (paper 000, eq. 5; 1, 1: NT-Xent)
     lambda_e: float = 1.0                    # weight of the entropy term
+    # How the two directions' losses combine: mean (automl/hvp, lightly) or sum (google-research/simclr objective.py:86,
+    # which with LARS halves the weight decay's pull and doubles the step of BatchNorm and biases: pretrain/losses/ntxent.py)
+    directions: str = "mean"
 
 
 class SimCLR(Method):
@@ -45,11 +48,15 @@ class SimCLR(Method):
         self.projector = projector_from_config(cfg, self.backbone.num_features)
         self.temperature = cfg.method.temperature
         self.gather_negatives = cfg.method.gather_negatives
-        self.lambdas = {"lambda_p": cfg.method.lambda_p, "lambda_e": cfg.method.lambda_e}
+        self.lambdas = {"lambda_p": cfg.method.lambda_p, "lambda_e": cfg.method.lambda_e,
+                        "directions": cfg.method.directions}
 
     @staticmethod
     def check_config(cfg: DictConfig) -> None:
         require_one_view_group(cfg, 2, 2)
+        if cfg.method.directions not in DIRECTIONS:
+            raise ConfigError(f"method.directions={cfg.method.directions!r} must be one of {DIRECTIONS}: the mean of "
+                              "NT-Xent's two directions (automl/hvp, lightly) or their sum (google-research/simclr)")
         if min(cfg.method.lambda_p, cfg.method.lambda_e) < 0:
             raise ConfigError(f"method.lambda_p={cfg.method.lambda_p} and method.lambda_e={cfg.method.lambda_e} "
                               "must be >= 0 (1 and 1: NT-Xent)")
@@ -65,10 +72,6 @@ class SimCLR(Method):
         a, b = pair
         return nt_xent_per_sample(outputs["z"][:, a], outputs["z"][:, b], self.temperature, self.gather_negatives,
                                   **self.lambdas)
-
-    def loss(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-        z = outputs["z"]
-        return nt_xent_per_sample(z[:, 0], z[:, 1], self.temperature, self.gather_negatives, **self.lambdas).mean()
 
 
 METHOD = SimCLR

@@ -245,9 +245,8 @@ class SMoCo(Method):
         return per_anchor.mean()
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        if (labels < 0).any():
-            raise ConfigError("method.name=smoco needs class labels, but this batch has label -1 (unknown): write "
-                              "the .beton from an image folder with one sub-folder per class")
+        self.refuse_unknown_labels(labels, "method.name=smoco needs class labels, but this batch has label -1 "
+                                   "(unknown): write the .beton from an image folder with one sub-folder per class")
         return labels
 
     # ==== feature drift ====

@@ -15,9 +15,9 @@ ResNet without zero-initialised residual branches and the head Linear-ReLU-Linea
 (`reference_model` below); `model.proj_hidden_bn=true` gives the Linear(no bias)-BN-ReLU-Linear head this project
 used before.
 
-Differences from the reference code, worth knowing: weight decay skips biases and BatchNorm parameters (this
-project's `split_decay_groups`, as SimCLR's LARS); the TCL code and SupContrast pass every parameter to SGD with
-weight decay 1e-4 (train.py:657-662; SupContrast util.py:79-82), and no key gives that here yet.
+Weight decay acts on every parameter, as the TCL code and SupContrast pass every parameter to SGD with weight decay
+1e-4 (train.py:657-662; SupContrast util.py:79-82; `reference_optim`); `optim.decay_norm_and_bias=false` skips biases
+and BatchNorm parameters (SimCLR's split).
 """
 from __future__ import annotations
 
@@ -118,11 +118,10 @@ class TCL(Method):
         """The labels the loss uses: None when self-supervised; refused when supervised but unknown (-1)."""
         if not self.options.supervised:
             return None
-        if (labels < 0).any():
-            raise ConfigError(f"method.name={self.options.name} with method.supervised=true needs class labels, but "
-                              "this batch has label -1 (unknown): write the .beton from an image folder with one "
-                              "sub-folder per class (python -m pretrain.data write --image-folder DIR --out FILE), "
-                              "or set method.supervised=false")
+        self.refuse_unknown_labels(
+            labels, f"method.name={self.options.name} with method.supervised=true needs class labels, but this batch "
+                    "has label -1 (unknown): write the .beton from an image folder with one sub-folder per class "
+                    "(python -m pretrain.data write --image-folder DIR --out FILE), or set method.supervised=false")
         return labels
 
 

@@ -107,9 +107,9 @@ class WeightedContrastive(TCL):
         return self.class_counts.to(device)
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        if (labels < 0).any():
-            raise ConfigError("method.name=weighted_contrastive needs class labels, but this batch has label -1 "
-                              "(unknown): write the .beton from an image folder with one sub-folder per class")
+        self.refuse_unknown_labels(labels, "method.name=weighted_contrastive needs class labels, but this batch has "
+                                   "label -1 (unknown): write the .beton from an image folder with one sub-folder "
+                                   "per class")
         return labels
 
     def per_sample(self, z: torch.Tensor, labels: torch.Tensor, gather_negatives: bool) -> torch.Tensor:

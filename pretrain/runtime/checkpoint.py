@@ -30,6 +30,14 @@ from pretrain.runtime.task import TrainingTask
 
 TRAINER_STATE = "trainer_state.json"
 
+# The checkpoint format this code writes (trainer_state.json's "format") and the oldest it resumes. Raise it when what
+# a checkpoint holds changes so that older code would resume it wrongly (a renamed or re-meaning piece of state), and
+# say here what each version added; keep resuming the previous version where it can be, or lower nothing and refuse it.
+#   0: the checkpoints written before the format was versioned (trainer_state.json without "format"), the same content
+#   1: "format" written (2026-11-28); tests/data/checkpoint_format_1 is one, which every later version must resume
+CHECKPOINT_FORMAT = 1
+OLDEST_RESUMABLE_FORMAT = 0
+
 # What a checkpoint's step count, data position and schedule depend on. Resuming with any of them changed
 # would silently train another run (other epochs, another schedule, zero steps), so it is refused. A checkpoint
 # written before a key was added resumes without its check. Settings
@@ -132,7 +140,7 @@ class Checkpointer:
             where = first_non_finite_tensor(self.engine.module)
             raise self.diverged(f"the parameters or BatchNorm statistics are NaN or inf after step {step}"
                                 + (f" ({where}, and maybe others)" if where else ""), epoch)
-        self.write({"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+        self.write({"format": CHECKPOINT_FORMAT, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                     "trained_seconds": trained_seconds, **self.layout},
                    {"task": self.task.state_outside_engine()})
         self.task.write_export(self.stage.run_dir, epoch, step)
@@ -223,7 +231,16 @@ class Checkpointer:
 
 
 def check_layout(checkpoint: Path, layout: dict[str, int | float]) -> None:
+    """Refuse (CheckpointError, one line) a checkpoint of a format this code does not resume, or written with another
+    RUN_LAYOUT than this start's."""
     saved = read_trainer_state(checkpoint)
+    version = saved.get("format", 0)
+    if not OLDEST_RESUMABLE_FORMAT <= version <= CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"cannot resume {checkpoint.parent.parent} from {checkpoint.name}: it is in checkpoint format {version}, and "
+            f"this code resumes formats {OLDEST_RESUMABLE_FORMAT} to {CHECKPOINT_FORMAT} "
+            "(pretrain/runtime/checkpoint.py: CHECKPOINT_FORMAT). Resume it with the code that wrote it (its "
+            "provenance.json names the commit), or start a new run with another name=... .")
     changed = [f"{RUN_LAYOUT[key]} was {saved[key]} and is now {layout[key]}"
                for key in RUN_LAYOUT if key in saved and saved[key] != layout[key]]
     if changed:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.distributed import release_distributed
 from pretrain.runtime.divergence import TrainingDiverged
 from pretrain.runtime.graceful_stop import StopRequested
@@ -31,6 +32,29 @@ def check_writable(folder: str | Path) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
+
+
+def create_run_directory(run_dir: Path) -> None:
+    """Make the run's directory (and the folders above it). A place that refuses new folders for a reason
+    `check_writable` cannot see without creating one (a kernel filesystem such as /proc: "No such file or directory")
+    is a bad `run_dir`, said in one line (ConfigError), not a traceback."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        if error.errno in UNWRITABLE:                   # read-only, no permission, full: said as such
+            raise
+        raise ConfigError(f"cannot create the run directory {run_dir}: {error.strerror} ({error.filename}); choose "
+                          "run_dir=PATH where folders can be created") from None
+
+
+def first_missing_directory(path: Path) -> Path | None:
+    """The outermost directory of `path` (itself included) that does not exist yet: what a start creates."""
+    missing = None
+    for candidate in [path, *path.parents]:
+        if candidate.exists():
+            return missing
+        missing = candidate
+    return missing
 
 
 def report(message: str) -> None:

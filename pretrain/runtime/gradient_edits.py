@@ -76,9 +76,11 @@ class GradientEdits:
                                for piece in pieces]) if pieces else torch.zeros(0)
         if self.zero_stage > 0 and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(squares)                # the pieces of one gradient lie on several ranks
+        # Every gradient is multiplied, by 1.0 where it is within the clip (exact: x * 1.0 == x): choosing which to
+        # leave alone would read the scales back from the device, a wait on a GPU once a step.
         scales = (self.clip / (squares.sqrt() + 1e-6)).clamp(max=1.0)
-        for p, piece, scale in zip(params, pieces, scales.tolist()):
-            if piece is None or scale == 1.0:
+        for p, piece, scale in zip(params, pieces, scales.unbind()):
+            if piece is None:
                 continue
             if hasattr(p, "ds_id"):                 # ZeRO 3: a copy of the local partition; write it back
                 safe_set_local_grad(p, piece * scale)

@@ -5,12 +5,16 @@
                                            monitor
     for every epoch, `train_one_epoch(run)`: for every optimizer step of the epoch
         set_schedule_values                the step's learning rate and weight decay
-        optimizer_step                     grad_accum times: micro-batch -> train_step (task.batch_loss ->
-                                           [finite on every rank?] -> backward -> [last micro-batch: gradient
-                                           edits] -> engine.step)
+        optimizer_step                     [a step that reads (step_reads): the losses noted so far finite?]
+                                           grad_accum times: micro-batch -> train_step (task.batch_loss ->
+                                           [a step that reads: finite on every rank? else: noted on the device]
+                                           -> backward -> [last micro-batch: gradient edits] -> engine.step)
         task.after_step -> agree_on_stop -> [epoch end: task.after_epoch]
+        [checkpoint or signal: the losses noted so far finite?]
         log_step, log_image_grids -> [checkpoint_due: save_checkpoint (+ task.write_export)] -> [stop signal:
                                            stop_on_signal]
+A step that neither logs nor checkpoints reads nothing back from the device on one process (tests/test_device_reads.py
+counts it); on several, the stop check's one all-reduce a step (`agree_on_stop`).
 
 A stage (pretrain/pretraining.py, transfer/finetune/stage.py, transfer/detection/stage.py) describes its run as a
 `Stage` (pretrain/runtime/stage.py): its data, its task (a `pretrain.runtime.task.TrainingTask`, the module the
@@ -35,16 +39,15 @@ always writes the key: `grad_clip` when it is > 0, else 0 (no clipping). DINO's 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NoReturn
+from functools import partial
+from typing import Any, Callable, NoReturn
 
 import deepspeed
 import torch
@@ -55,12 +58,11 @@ from torch.profiler import record_function
 from pretrain.runtime.checkpoint import Checkpointer, run_layout, timed_step_of_checkpoint
 from pretrain.runtime.compute_budget import (PFLOP, SCHEDULE_RECORD, counted_step_flops, record_schedule,
                                              schedule_length, timed_step_seconds)
-from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native, emulated_bf16_warning
+from pretrain.runtime.bf16_support import bf16_is_native, emulated_bf16_warning
 from pretrain.runtime.cpu_threads import configure_threads
-from pretrain.runtime.distributed import finite_on_every_rank, init_distributed
-from pretrain.runtime.divergence import NonFiniteLoss
-from pretrain.runtime.config_error import ConfigError
-from pretrain.runtime.exit_status import UNWRITABLE, check_writable
+from pretrain.runtime.distributed import finite_on_every_rank, init_distributed, with_sync_batchnorm
+from pretrain.runtime.divergence import NonFiniteLoss, NonFiniteLosses
+from pretrain.runtime.exit_status import check_writable, create_run_directory, first_missing_directory
 from pretrain.runtime.graceful_stop import GracefulStop, StopRequested
 from pretrain.runtime.gradient_edits import GradientEdits
 from pretrain.runtime.monitor import TrainingMonitor
@@ -69,26 +71,7 @@ from pretrain.runtime.provenance import record_start
 from pretrain.runtime.run_lock import locked_run_directory
 from pretrain.runtime.stage import EpochLoader, LoopOptions, Stage, deepspeed_config, forward_autocast, uses_bf16
 from pretrain.runtime.task import BatchLoss, BatchPosition, Scalar, TrainingTask, scalar_value
-
-
-class TrainingClock:
-    """The seconds a run has trained, across resumes: a resumed run starts from the checkpoint's count, so a run
-    killed and resumed does not restart its time budget. Checkpoint writes and end-of-epoch evaluations are left
-    out (`paused`): they measure the run, and a benchmark's evaluation marks must not cost its training time."""
-
-    def __init__(self, seconds: float = 0.0):
-        self.origin = time.perf_counter() - seconds
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.origin
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.origin += time.perf_counter() - started
+from pretrain.runtime.training_clock import TrainingClock, next_minute_mark
 
 
 def initialize_engine(task: TrainingTask, optimizer: torch.optim.Optimizer, options: LoopOptions):
@@ -108,18 +91,22 @@ def initialize_engine(task: TrainingTask, optimizer: torch.optim.Optimizer, opti
 
 
 def train_step(engine, task: TrainingTask, batch: Any, position: BatchPosition, bf16: bool = False,
-               gradient_edits: GradientEdits | None = None) -> BatchLoss:
+               gradient_edits: GradientEdits | None = None,
+               note_loss: Callable[[torch.Tensor], None] | None = None) -> BatchLoss:
     """One micro-batch: the task's loss -> [finite on every rank?] -> backward -> [last micro-batch of the step:
     gradient edits] -> engine.step (DeepSpeed steps the optimizer at the end of each gradient-accumulation cycle,
     clipping the global norm first when its config says so).
 
     Raises NonFiniteLoss, on every rank, before the backward of a loss that is NaN or inf on any rank: the
-    parameters stay those of the last step.
+    parameters stay those of the last step. With `note_loss` (the loop's steps that read nothing back from the
+    device: `step_reads`), the loss is handed to it instead (`NonFiniteLosses.note`) and checked later, unread here.
     """
     autocast = forward_autocast(next(engine.module.parameters()).device.type, bf16)   # a fresh region per forward
     result = task.batch_loss(engine, batch, position, autocast)
     with record_function("hardview/finite_loss_check"):
-        if not finite_on_every_rank(result.loss):
+        if note_loss is not None:
+            note_loss(result.loss)
+        elif not finite_on_every_rank(result.loss):
             raise NonFiniteLoss(result.loss.item())
     with record_function("hardview/backward"):
         engine.backward(result.loss)
@@ -145,8 +132,8 @@ def run_training(stage: Stage) -> Any:
     threads = configure_threads(options.threads)              # after the launcher's LOCAL_WORLD_SIZE is known
     if rank == 0 and device.type == "cpu":
         print(f"{world_size} process(es) on the CPU, {threads} thread(s) each (engine.threads)", flush=True)
-        if uses_bf16(options, device) and not cpu_bf16_is_native():
-            print(emulated_bf16_warning(), file=sys.stderr, flush=True)
+    if rank == 0 and uses_bf16(options, device) and not bf16_is_native(device):
+        print(emulated_bf16_warning(device), file=sys.stderr, flush=True)
     created = first_missing_directory(stage.run_dir)    # what a refused fresh start must not leave behind
     try:
         create_run_directory(stage.run_dir)
@@ -155,29 +142,6 @@ def run_training(stage: Stage) -> Any:
         if rank == 0 and created is not None and not any(created.rglob("trainer_state.json")):
             shutil.rmtree(created, ignore_errors=True)
         raise
-
-
-def create_run_directory(run_dir: Path) -> None:
-    """Make the run's directory (and the folders above it). A place that refuses new folders for a reason
-    `check_writable` cannot see without creating one (a kernel filesystem such as /proc: "No such file or directory")
-    is a bad `run_dir`, said in one line (ConfigError), not a traceback."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        if error.errno in UNWRITABLE:                   # read-only, no permission, full: said as such
-            raise
-        raise ConfigError(f"cannot create the run directory {run_dir}: {error.strerror} ({error.filename}); choose "
-                          "run_dir=PATH where folders can be created") from None
-
-
-def first_missing_directory(path: Path) -> Path | None:
-    """The outermost directory of `path` (itself included) that does not exist yet: what a start creates."""
-    missing = None
-    for candidate in [path, *path.parents]:
-        if candidate.exists():
-            return missing
-        missing = candidate
-    return missing
 
 
 def train_in_run_directory(stage: Stage, rank: int, world_size: int, device: torch.device) -> Any:
@@ -215,6 +179,8 @@ def train_one_epoch(run: Run) -> None:
                 epoch_scalars = run.task.after_epoch(run.engine, run.epoch, run.step) if epoch_end or last else {}
 
             checkpoint = checkpoint_due(run, epoch_end, last)
+            if checkpoint or signum:                               # nothing is logged or saved after a NaN loss
+                check_noted_losses(run)
             log_step(run, step_values, epoch_scalars, checkpoint)     # a checkpoint's step (the last's too) is logged
             log_image_grids(run, result)
             if checkpoint:
@@ -266,6 +232,7 @@ class Run:
     step: int                       # optimizer steps taken
     trained_seconds: float          # the training clock as every process agreed at the last step
     out_of_time: bool
+    noted_losses: NonFiniteLosses   # the losses of the steps that read nothing, checked later (`step_reads`)
     window: LogWindow = field(default_factory=LogWindow)
 
 
@@ -353,14 +320,13 @@ def prepare_run(stage: Stage, rank: int, world_size: int, device: torch.device, 
                mark_steps=mark_steps,
                next_mark_s=next_minute_mark(trained_seconds, mark_s), epoch=epoch, batch_in_epoch=batch_in_epoch,
                step=engine.global_steps, trained_seconds=trained_seconds,
-               out_of_time=budget_s > 0 and trained_seconds >= budget_s)
+               out_of_time=budget_s > 0 and trained_seconds >= budget_s, noted_losses=NonFiniteLosses(device))
 
 
 def place_task(task: TrainingTask, options: LoopOptions, world_size: int, device: torch.device) -> TrainingTask:
     """The task as it trains on `device`: SyncBatchNorm across several GPUs (engine.sync_batchnorm; never on CPU,
     where it raises), channels-last convolutions on GPUs (engine.channels_last: `channels_last_inputs`)."""
-    if device.type == "cuda" and world_size > 1 and options.sync_batchnorm:
-        task = nn.SyncBatchNorm.convert_sync_batchnorm(task)
+    task = with_sync_batchnorm(task, device, world_size, options.sync_batchnorm)
     if device.type == "cuda" and options.channels_last:
         channels_last_inputs(task)
     return task
@@ -386,17 +352,16 @@ def evenly_spaced_steps(last_step: int, count: int) -> frozenset[int]:
     return frozenset(-(-k * last_step // count) for k in range(1, count + 1)) if count else frozenset()
 
 
-def next_minute_mark(trained_seconds: float, mark_s: float) -> float:
-    """The first multiple of `mark_s` past `trained_seconds` (inf when there are no minute marks)."""
-    return (math.floor(trained_seconds / mark_s) + 1) * mark_s if mark_s else math.inf
-
-
 def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, list[Scalar]], BatchLoss]:
     """One optimizer step: `train_step` on each of its grad_accum micro-batches (DeepSpeed steps the optimizer after
     the last). Returns the micro-batches' values to log, unread (`log_step` reads them on the steps that log), and
     the last one's result; a non-finite loss is a divergence (raised, on every rank, before the step is applied)."""
     options = run.options
     step_values: dict[str, list[Scalar]] = {}
+    reads = step_reads(run)
+    if reads:
+        check_noted_losses(run)                            # the steps since the last check read nothing
+    note_loss = None if reads else partial(run.noted_losses.note, step=run.step + 1)
     for _ in range(options.grad_accum):
         tick = time.perf_counter()
         batch = next(batches, None)
@@ -406,7 +371,7 @@ def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, list[Sca
         run.window.waited += time.perf_counter() - tick
         position = BatchPosition(options.seed, run.rank, run.epoch, run.batch_in_epoch)
         try:
-            result = train_step(run.engine, run.task, batch, position, run.bf16, run.gradient_edits)
+            result = train_step(run.engine, run.task, batch, position, run.bf16, run.gradient_edits, note_loss)
         except NonFiniteLoss as error:
             raise run.checkpointer.diverged(f"the loss is {error.value} in step {run.step + 1}, which was not "
                                             "applied", run.epoch) from None
@@ -419,6 +384,28 @@ def optimizer_step(run: Run, batches: Iterator[Any]) -> tuple[dict[str, list[Sca
         raise RuntimeError(f"DeepSpeed took {run.engine.global_steps} optimizer steps where the loop counted "
                            f"{run.step}: gradient_accumulation_steps disagrees")
     return step_values, result
+
+
+def step_reads(run: Run) -> bool:
+    """Whether the coming step reads values back from the device anyway, as known before it runs: it logs
+    (engine.log_every_steps), checkpoints by its number (engine.checkpoint_every_steps, engine.checkpoints_per_run), is
+    the last by count (engine.max_steps, the schedule's end) or ends an epoch (the epoch's evaluations). Its losses
+    are checked as they are computed, before their backward (`train_step`); the other steps' are noted on the device
+    (`NonFiniteLosses`) and checked at the next step that reads, or before a checkpoint that a minute mark, the time
+    budget or a stop signal brings (`check_noted_losses`)."""
+    step = run.step + 1
+    return (step % run.options.log_every_steps == 0 or checkpoints_by_count(run, step) or step == run.stop_step
+            or run.batch_in_epoch + run.options.grad_accum >= len(run.loader))
+
+
+def check_noted_losses(run: Run) -> None:
+    """Raise the divergence, on every rank, if a loss noted on the device since the last check was NaN or inf."""
+    try:
+        run.noted_losses.raise_if_any()
+    except NonFiniteLoss as error:
+        raise run.checkpointer.diverged(f"the loss is {error.value} in step {error.step}, found after step {run.step}: "
+                                        f"steps {error.step} to {run.step} were applied, and none of them was saved",
+                                        run.epoch) from None
 
 
 def agree_on_stop(run: Run) -> int | None:
@@ -469,9 +456,14 @@ def checkpoint_due(run: Run, epoch_end: bool, last: bool) -> bool:
     """Whether this step checkpoints: every engine.checkpoint_every_steps, at epoch ends unless minute or step marks
     replace them, at the first step past each minute mark (engine.checkpoint_every_minutes), at the steps of
     engine.checkpoints_per_run, and at the last step."""
+    return (checkpoints_by_count(run, run.step) or (epoch_end and not run.mark_s and not run.mark_steps) or last
+            or run.trained_seconds >= run.next_mark_s)
+
+
+def checkpoints_by_count(run: Run, step: int) -> bool:
+    """Whether step `step` checkpoints by its number: engine.checkpoint_every_steps, engine.checkpoints_per_run."""
     every = run.options.checkpoint_every_steps
-    return bool((every and run.step % every == 0) or (epoch_end and not run.mark_s and not run.mark_steps) or last
-                or run.trained_seconds >= run.next_mark_s or run.step in run.mark_steps)
+    return bool(every and step % every == 0) or step in run.mark_steps
 
 
 def save_checkpoint(run: Run) -> None:

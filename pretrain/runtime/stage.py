@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from pretrain.runtime.bf16_support import bf16_is_native
 from pretrain.runtime.config_error import ConfigError
 from pretrain.runtime.optim import Schedules, build_optimizer, divergence_advice, schedules_from_config
 from pretrain.runtime.task import TrainingTask
@@ -31,7 +32,7 @@ class LoopOptions:
     grad_clip_per_parameter: float = 0.0   # max gradient norm of each parameter tensor (DINO's); 0: none
     seed: int = 0
     zero_stage: int = 0
-    precision: str = "auto"         # auto (bf16 on GPUs) | bf16 | fp32
+    precision: str = "auto"         # auto (bf16 on GPUs with native bf16, else fp32) | bf16 | fp32
     budget_pflop: float = 0.0       # the schedules' length in counted compute, in place of epochs (0: epochs)
     schedule_from_minutes: bool = False   # the schedules' length from a timed step and max_minutes, in place of epochs
     max_steps: int = 0              # stop after this many optimizer steps (0: all epochs); schedules span all
@@ -68,8 +69,10 @@ class LoopOptions:
 
 
 def uses_bf16(options: LoopOptions, device: torch.device) -> bool:
-    """Whether a run's forwards run under bf16 autocast on `device` (engine.precision; auto: on GPUs)."""
-    return options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda")
+    """Whether a run's forwards run under bf16 autocast on `device` (engine.precision; auto: on a GPU with native bf16,
+    pretrain/runtime/bf16_support.py; fp32 on CPUs and on older GPUs)."""
+    return options.precision == "bf16" or (options.precision == "auto" and device.type == "cuda"
+                                           and bf16_is_native(device))
 
 
 def forward_autocast(device_type: str, bf16: bool) -> Callable[[], torch.autocast]:

@@ -1,11 +1,12 @@
-"""bf16 on CPUs without native bf16 (pretrain/runtime/cpu_bf16.py): the detection, and the one line a run prints."""
+"""bf16 where a device does not compute it natively (pretrain/runtime/bf16_support.py): the detection on CPUs and GPUs,
+what engine.precision=auto picks from it, and the one line a run prints."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain.runtime import cpu_bf16
-from pretrain.runtime.cpu_bf16 import cpu_bf16_is_native
+from pretrain.runtime import bf16_support
+from pretrain.runtime.bf16_support import cpu_bf16_is_native
 from tests import forked_runs
 from tests.engine_helpers import SMALL_RESNET
 
@@ -30,7 +31,33 @@ def test_bf16_is_native_only_with_the_instructions_and_nothing_capping_them(monk
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     else:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-    assert cpu_bf16.cpu_bf16_is_native() is native
+    assert bf16_support.cpu_bf16_is_native() is native
+
+
+@pytest.mark.parametrize("native_on_the_gpu", [True, False])
+def test_auto_precision_is_bf16_on_a_gpu_with_native_bf16_and_fp32_on_an_older_gpu_and_on_cpus(monkeypatch,
+                                                                                               native_on_the_gpu):
+    """engine.precision=auto on a CUDA device asks torch whether it computes bf16 without emulation (an A100 or H100
+    does, a V100 or T4 does not; the capability mocked here); on a CPU auto is fp32 whatever the CPU has. bf16 and
+    fp32 are what they say everywhere."""
+    from pretrain.runtime.stage import LoopOptions, uses_bf16
+
+    asked = []
+
+    def is_bf16_supported(including_emulation=True):
+        asked.append(including_emulation)
+        return native_on_the_gpu or including_emulation            # emulation would always say yes
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(bf16_support, "cpu_bf16_is_native", lambda: True)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    options = {precision: LoopOptions(epochs=1, batch_size=1, precision=precision) for precision in ("auto", "bf16", "fp32")}
+    assert uses_bf16(options["auto"], gpu) is native_on_the_gpu and asked == [False]
+    assert bf16_support.bf16_is_native(gpu) is native_on_the_gpu
+    assert uses_bf16(options["auto"], cpu) is False                         # a CPU with native bf16 too
+    assert uses_bf16(options["bf16"], gpu) and uses_bf16(options["bf16"], cpu)
+    assert not uses_bf16(options["fp32"], gpu) and not uses_bf16(options["fp32"], cpu)
 
 
 def test_this_machine_answers_as_its_instructions_say():

@@ -1,0 +1,141 @@
+"""Golden losses: the first 20 steps of every digits preset, stored in tests/golden/losses.json and compared by
+tests/test_golden_losses.py, so that a change no other test looks for (a loss's reduction, an augmentation's
+parameter, a schedule's warm-up, the data's order) shows up as moved numbers.
+
+    python -m tests.golden_losses            # the presets' runs now, against the stored values: what moved
+    python -m tests.golden_losses --write    # store them (then `git diff tests/golden/losses.json` shows what moved)
+
+Each preset runs `python -m pretrain --config configs/pretrain/PRESET.yaml` on the digits (written as the test
+suite writes them) for 20 steps, logging every step, at a small batch. What is stored per step: the loss and, with
+hard view selection on, the loss and IoU of the chosen views (`hvs/selected_loss`, `hvs/selected_iou`): the picks'
+fingerprint (the picks themselves are not logged).
+
+The tolerance covers what differs between CPUs, not code: floating-point sums in another order (another kernel,
+another number of threads), which training then amplifies. Measured by `python -m tests.golden_losses --threads 1`
+(every preset on one thread against the stored values, written on the default two threads of the 2-core AVX2-only
+AMD EPYC, 2026-11-28): the largest relative difference over the presets was 2.2e-7 at step 1, 7.7e-7 at step 2,
+7.7e-6 at step 3, 4.9e-4 at step 4, 2.6e-3 at step 5, 2.1e-2 at step 6, and 5e-2 to 0.18 from step 8 on: the
+order of the sums is amplified about tenfold a step until the runs are apart. So the tolerance is per step
+(`allowed`): 1e-5 at step 1, ten times more each step (20 to 50 times the measured difference through step 5),
+and 1 (a relative difference of 100%: a NaN, a sign, a loss off by a factor) from step 6 on. What the comparison
+catches is therefore what moves the first steps: a loss, an augmentation, the data's order or the sampler's, an
+initialisation, the first learning rates; a change that shows only after step 5 needs the other tests. A 1%
+change of SimCLR's temperature fails at step 1 (tests/test_golden_losses.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "losses.json"
+STEPS = 20
+RTOL_STEP_1 = 1e-5       # the tolerance at step 1, times 10 a step (`allowed`): from `--threads 1`, see above
+FLOOR = 0.1              # relative to at least this (values near 0)
+# (name, config, overrides): every digits preset; those the demo and the docs run with selection, with it too.
+PRESETS = [(name, f"configs/pretrain/{config}.yaml", overrides) for name, config, overrides in [
+    ("simclr", "simclr_digits", []), ("simclr_hvs", "simclr_digits", ["hvs.enabled=true"]),
+    ("simsiam", "simsiam_digits", []), ("dino", "dino_digits", []), ("dino_hvs", "dino_digits", ["hvs.enabled=true"]),
+    ("supcon", "supcon_digits", []), ("tcl", "tcl_digits", []), ("tcl_supervised", "tcl_supervised_digits", []),
+    ("smoco", "smoco_digits", []), ("weighted_contrastive", "weighted_contrastive_digits", []),
+    ("contrastive_balance", "contrastive_balance_digits", []), ("lejepa", "lejepa_digits", [])]]
+COMMON = [f"engine.max_steps={STEPS}", "engine.log_every_steps=1", "engine.image_grid_every_steps=0",
+          "engine.checkpoint_every_steps=0", "data.num_workers=1"]
+# s-MoCo's batch is classes x images per class (20): kept; the weighted loss's (16, n)-group design needs n >= 2.
+SMALL_BATCH = {"smoco": [], "weighted_contrastive": ["data.batch_size=32"]}
+RECORDED = ("train/loss", "hvs/selected_loss", "hvs/selected_iou")
+
+
+def command(name: str, config: str, overrides: list[str], digits: Path, run_dir: Path) -> list[str]:
+    """The preset's command line (argv of `python -m pretrain`)."""
+    batch = SMALL_BATCH.get(name, ["data.batch_size=16"])
+    return ["--config", str(ROOT / config), f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
+            f"data.val={digits / 'val.beton'}", *COMMON, *batch, *overrides]
+
+
+def recorded(run_dir: Path) -> dict[str, list[float]]:
+    """The stored values of a finished run: per recorded scalar, its value at steps 1..STEPS."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if [line["step"] for line in lines] != list(range(1, STEPS + 1)):
+        raise ValueError(f"{run_dir}: expected steps 1-{STEPS} logged, got {[line['step'] for line in lines]}")
+    return {key: [line[key] for line in lines] for key in RECORDED if key in lines[0]}
+
+
+def relative_differences(a: dict[str, list[float]], b: dict[str, list[float]]) -> list[float]:
+    """Per step, the largest |a - b| / max(|b|, FLOOR) over the recorded values (inf where the two record different
+    things). FLOOR keeps values near 0 (SimSiam's loss, a negative cosine near -0.01 at first) from inflating it."""
+    if a.keys() != b.keys():
+        return [math.inf] * STEPS
+    return [max(abs(x[step] - y[step]) / max(abs(y[step]), FLOOR) for x, y in ((a[key], b[key]) for key in a))
+            for step in range(STEPS)]
+
+
+def allowed(step: int) -> float:
+    """The relative tolerance at step `step` (1-based): RTOL_STEP_1 times 10 a step, at most 1."""
+    return min(1.0, RTOL_STEP_1 * 10 ** (step - 1))
+
+
+def moved_steps(now: dict[str, list[float]], stored: dict[str, list[float]]) -> list[int]:
+    """The steps (1-based) whose values differ from the stored ones by more than `allowed`."""
+    return [step for step, difference in enumerate(relative_differences(now, stored), start=1)
+            if difference > allowed(step)]
+
+
+def run_presets(digits: Path, work: Path, extra: list[str] = ()) -> dict[str, dict[str, list[float]]]:
+    """Every preset's recorded values, each run as `python -m pretrain` in a process of its own."""
+    values = {}
+    for name, config, overrides in PRESETS:
+        run_dir = work / name
+        subprocess.run([sys.executable, "-m", "pretrain", *command(name, config, overrides, digits, run_dir), *extra],
+                       check=True, capture_output=True, cwd=ROOT)
+        values[name] = recorded(run_dir)
+        print(f"{name}: step 1 loss {values[name]['train/loss'][0]:.6f}, step {STEPS} "
+              f"{values[name]['train/loss'][-1]:.6f}", flush=True)
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.golden_losses", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help=f"store the values in {GOLDEN.relative_to(ROOT)}")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="run every preset on N threads (engine.threads=N) and print, per step, the largest relative "
+                             "difference from the stored values over the presets: what the tolerance must cover")
+    args = parser.parse_args(argv)
+    from pretrain.data.__main__ import main as data_main
+
+    stored = json.loads(GOLDEN.read_text())["presets"] if GOLDEN.exists() else {}
+    with tempfile.TemporaryDirectory() as work:
+        digits = Path(work) / "digits"
+        data_main(["write-digits", "--out-dir", str(digits)])
+        extra = [f"engine.threads={args.threads}"] if args.threads else []
+        values = run_presets(digits, Path(work) / "runs", extra)
+    for name, now in values.items():
+        moved = moved_steps(now, stored[name]) if name in stored else ["all (not stored)"]
+        print(f"{name:<22} steps past the tolerance: {', '.join(map(str, moved)) or 'none'}")
+    if args.threads:
+        differences = [relative_differences(values[name], stored[name]) for name in values if name in stored]
+        print(f"on {args.threads} thread(s), per step: the largest relative difference from the stored values over "
+              "the presets, and the tolerance")
+        for step in range(1, STEPS + 1):
+            print(f"  step {step:>2}: {max(d[step - 1] for d in differences):.1e}  (tolerance {allowed(step):.1e})")
+    if args.write:
+        from pretrain.runtime.bf16_support import cpu_description
+        from pretrain.runtime.provenance import read_code_state
+
+        code = read_code_state()
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps({"steps": STEPS, "written_at_commit": code.commit,
+                                      "uncommitted_changes": code.dirty, "written_on": cpu_description(),
+                                      "presets": values}, indent=1) + "\n")
+        print(f"wrote {GOLDEN}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
