@@ -47,11 +47,18 @@ PENDING_STOP_SIGNAL = "HARDVIEW_PENDING_STOP_SIGNAL"    # read by pretrain.runti
 JOB_STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)     # the scheduler's time-limit warning and its stop
 
 
+# Rendezvous ports come from below Linux's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default),
+# where every outgoing connection's own port is drawn: gloo's and the TCP store's connections, Slurm's. A port drawn
+# there can be held by one of them: a requeued pretraining's store found its port 45214 taken (EADDRINUSE) beside a
+# 2-task job on one machine, and the job died.
+RENDEZVOUS_PORTS = range(20000, 32768)
+
+
 def rendezvous_port(job_id: str, restart_count: int) -> int:
-    """A port in [20000, 60000) that every task of one run of a job computes alike; another run (a requeue)
+    """A port in RENDEZVOUS_PORTS that every task of one run of a job computes alike; another run (a requeue)
     or another job gets another port."""
     digest = hashlib.sha256(f"{job_id}/{restart_count}".encode()).digest()
-    return 20000 + int.from_bytes(digest[:4], "big") % 40000
+    return RENDEZVOUS_PORTS.start + int.from_bytes(digest[:4], "big") % len(RENDEZVOUS_PORTS)
 
 
 def distributed_environment(job_env, restart_count: int, local: bool) -> dict[str, str]:

@@ -64,11 +64,13 @@ def submitted(stdout: str) -> list[str]:
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-def wait_until(condition, what: str, timeout: float = 400, job: str | None = None, log: Path | None = None) -> None:
+def wait_until(condition, what, timeout: float = 400, job: str | None = None, log: Path | None = None) -> None:
     """Poll `condition()` until it holds, at most `timeout` s on the reference CPU (tests/machine_speed.py); with
     `job`, fail at once when that job has ended (Slurm's state) and the condition still does not hold. A failure
-    names the job's state and ends with the last lines of `log` (its stderr, say)."""
+    names `what` (a string, or a function giving one then), the job's state, and ends with the last lines of `log`
+    (its stderr, say)."""
     deadline = time.time() + scaled(timeout)
+    describe = what if callable(what) else lambda: what
 
     def failure(reason: str) -> str:
         state = f"; job {job}: {scontrol_job(job)}" if job is not None else ""
@@ -76,10 +78,10 @@ def wait_until(condition, what: str, timeout: float = 400, job: str | None = Non
         return f"{reason}{state}{tail}"
 
     while not condition():
-        assert time.time() < deadline, failure(f"timed out after {scaled(timeout):.0f} s waiting for {what}")
+        assert time.time() < deadline, failure(f"timed out after {scaled(timeout):.0f} s waiting for {describe()}")
         state = scontrol_job(job)["JobState"] if job is not None else None
         if state in ENDED and not condition():
-            raise AssertionError(failure(f"job {job} ended ({state}) before {what}"))
+            raise AssertionError(failure(f"job {job} ended ({state}) before {describe()}"))
         time.sleep(0.5)
 
 
@@ -145,13 +147,14 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
     D. a fine-tuning job stopped as at its time limit requeues from its own checkpoint and logs every step once.
     """
     # A. Slurm sends the --signal warning up to 30 s earlier than asked (it checks time limits every 30 s), so each
-    # 2-minute allocation is warned 85-115 s in, 5 s before the limit at the latest. The 400 steps take longer than
-    # that on the reference CPU (about 3.3 steps/s after a 7-s start-up on an idle machine); later allocations share
-    # the rest, each warned the same way. A slower machine takes fewer steps per allocation: 400 / its factor, at
-    # least 80, with requeues enough for its slowest allocations. (1-minute allocations were too short beside two
+    # 2-minute allocation is warned 85-115 s in, 5 s before the limit at the latest. The schedule's 330 steps (15
+    # epochs: tests/run_helpers.py, hand_computed_lr) take longer than that on the reference CPU (about 3.3 steps/s
+    # after a 7-s start-up on an idle machine; 132 steps before the warning beside the suite's two pytest workers);
+    # later allocations share the rest, each warned the same way. A slower machine takes fewer steps per allocation:
+    # 400 / its factor, at least 80, at most the schedule's 330, with requeues enough for its slowest allocations. (1-minute allocations were too short beside two
     # pytest workers on an AVX2-only EPYC: the 2-task job's start-up took 49 s, the warning came before its first
     # step, and Slurm ended the job, TIMEOUT, before that step's checkpoint.)
-    limited, stop = tmp_path / "limited", max(80, round(400 / slowness()))
+    limited, stop = tmp_path / "limited", min(330, max(80, round(400 / slowness())))
     [time_limited] = submitted(launch(
         "pretrain", "--config", str(CONFIG), *TINY, *data(digits), f"run_dir={limited}", f"engine.max_steps={stop}",
         "engine.checkpoint_every_steps=1000", "optim.warmup_epochs=0.5", *SLURM, "--tasks-per-node", "2",
@@ -196,16 +199,24 @@ def test_every_kind_of_job_outlives_time_limits_preemptions_and_requeues_on_a_re
         saved_checkpoint["found"] = (limited / f"checkpoints/step{time_limit_stop():08d}/trainer_state.json").is_file()
         requeue(job)
 
+    names = {time_limited: ("A, the time-limited pretraining", limited), pretraining: ("B, the preempted pretraining",
+             run_dir), watcher: ("C, its watcher", run_dir), finetuning: ("D, the fine-tuning", finetuned)}
+
     def stop_the_ready_ones() -> bool:
         for job in [job for job, condition in ready.items() if condition()]:
             (check_the_checkpoint_then_requeue if job == time_limited else stop_with_usr2)(job)
             del ready[job]
-        ended = {job: cluster.job_state(job) for job in ready}
-        ended = {job: state for job, state in ended.items() if state in ENDED}
-        assert not ended, f"jobs ended before they could be stopped: {ended}"
+        # A job ended before its stop, or failed after it (a requeue that could not start: the watcher would wait
+        # for B's exports to the end of the wait), fails the test at once, naming the job and its log's end.
+        ended = {job: cluster.job_state(job) for job in names}
+        ended = {job: state for job, state in ended.items()
+                 if state in ENDED and (job in ready or state != "COMPLETED")}
+        assert not ended, "\n".join(
+            f"{names[job][0]} (job {job}) ended {state}{' before it could be stopped' if job in ready else ''}; "
+            f"the end of its log:\n{job_log(names[job][1], job, 'err')[-2000:]}" for job, state in ended.items())
         return not ready
 
-    wait_until(stop_the_ready_ones, "each job's stop")
+    wait_until(stop_the_ready_ones, lambda: f"each job's stop (not yet: {', '.join(names[job][0] for job in ready)})")
 
     # B. The preemption is requeued though --max-requeues 0 allows no time-limit requeue, and is not counted.
     wait_until(lambda: (run_dir / "finished.json").is_file(), "the end of the pretraining", job=pretraining)
