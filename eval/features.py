@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from eval.results import trained_image_size
+from eval.stop_points import stop_point
 from pretrain.models import create_backbone
 
 # How many mismatched state_dict keys an error message names before summarising the rest.
@@ -283,6 +284,7 @@ def extract_features(encode: Callable[[torch.Tensor], torch.Tensor],
     device = resolve_device(device)
     features_by_batch, labels_by_batch, indices_by_batch = [], [], []
     for images, labels, indices in loader:
+        stop_point()                   # a watcher's stop signal, taken here (eval/stop_points.py)
         features = encode(images.to(device, non_blocking=True))
         # Copies, not views: FFCV reuses its batch buffers, so a kept view would be overwritten by later batches.
         features_by_batch.append(features.flatten(1).float().cpu().clone())

@@ -32,6 +32,7 @@ from torch import nn
 from eval.features import resolve_device
 from eval.inputs import EvaluationInputs, add_common_options, print_header, random_seed
 from eval.results import write_results
+from eval.stop_points import stop_point
 from pretrain.data.loader import build_view_loader
 from pretrain.data.views import ViewBatch, ViewGroup
 from pretrain.runtime.argument_types import number, positive_int
@@ -137,6 +138,7 @@ def train_linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor,
         head.train()
         order = torch.randperm(len(features), generator=shuffle).to(device)
         for batch_index, start in enumerate(range(0, len(features), batch_size)):
+            stop_point()               # a watcher's stop signal, taken here (eval/stop_points.py)
             batch = order[start:start + batch_size]
             if len(batch) < 2:
                 continue
@@ -185,6 +187,7 @@ def train_linear_probe_on_views(backbone: nn.Module, view_batches_per_epoch: Vie
     for epoch in range(epochs):
         head.train()
         for batch_index, batch in enumerate(view_batches_per_epoch.epoch(epoch)):
+            stop_point()               # a watcher's stop signal, taken here (eval/stop_points.py)
             progress = (epoch + min(batch_index, steps_per_epoch - 1) / steps_per_epoch) / epochs
             for group in optimizer.param_groups:
                 group["lr"] = cosine_learning_rate(lr, progress)

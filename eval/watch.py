@@ -21,7 +21,8 @@ pretraining's Slurm job; `python -m launch pipeline` passes it) it also stops, w
 job has ended without finishing the run (failed, cancelled, out of requeues), after evaluating what it
 published: a watcher does not wait out its time limit for a run that will not go on.
 
-SIGUSR2 (the scheduler's time-limit warning), SIGTERM and SIGINT stop the watcher at once, the evaluation under
+SIGUSR2 (the scheduler's time-limit warning), SIGTERM and SIGINT stop the watcher at its next stop point (the next
+batch of the evaluation under way, or within half a second of a wait: eval/stop_points.py), the evaluation under
 way abandoned (its result is written last, so it is simply redone), with exit status 128 + signal: `launch`
 requeues a watcher job at its time limit like the training it follows, and the requeued watcher goes on where
 this one stopped.
@@ -34,7 +35,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from eval import knn, linear, retrieval
 from eval.features import EvaluationInputError
 from eval.inputs import add_data_options
 from eval.results import evaluation_suffix, feature_cache_path, result_path
+from eval.stop_points import clear_stop_request, request_stop, sleep_to_stop_point, stop_point
 from pretrain.export import EXPORTS, export_path, published_export_steps
 from pretrain.runtime.argument_types import CommandLineParser, number
 from pretrain.runtime.graceful_stop import PENDING_STOP_SIGNAL
@@ -102,7 +103,7 @@ def job_has_ended(job_id: str, grace_seconds: float) -> str | None:
 
     if alive(slurm_job_state(job_id)):
         return None
-    time.sleep(grace_seconds)
+    sleep_to_stop_point(grace_seconds)
     state = slurm_job_state(job_id)
     return None if alive(state) else state or "gone from squeue"
 
@@ -189,8 +190,8 @@ def run_protocol(args: argparse.Namespace, protocol: str, step: int,
 
 
 class WatcherStopped(BaseException):
-    """A stop signal reached the watcher (raised from its handler, in the middle of whatever it was doing; a
-    BaseException, as KeyboardInterrupt, so that no `except Exception` of an evaluation swallows it)."""
+    """A stop signal reached the watcher (raised at the next stop point, `eval/stop_points.py`; a BaseException, as
+    KeyboardInterrupt, so that no `except Exception` of an evaluation swallows it)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -198,22 +199,22 @@ class WatcherStopped(BaseException):
 
 
 class StopSignals:
-    """The watcher's handler of its stop signals: it raises WatcherStopped where the signal lands, and keeps the
-    signal. Python drops an exception raised inside a finalizer (a `__del__`, a weakref callback: CI's watcher met
-    its time limit in numba's, "Exception ignored in ... on_disposal") and goes on; the kept signal is raised again
-    at the watcher's next check, between two evaluations."""
+    """The watcher's handler of its stop signals: it records the signal and asks for a stop at the next stop point
+    (`eval/stop_points.py`: the next batch of the evaluation under way, or the watcher's next check), never raising
+    where the signal lands: an exception raised there cut numba's compiler or an LLVM disposal in half and the
+    watcher crashed in libllvmlite; one raised inside a finalizer (numba's weakref callback, "Exception ignored in
+    ... on_disposal") was dropped by Python."""
 
     def __init__(self):
         self.received: int | None = None
 
     def __call__(self, signum: int, frame) -> None:
         self.received = self.received or signum
-        raise WatcherStopped(signum)
+        request_stop(WatcherStopped(self.received))
 
     def check(self) -> None:
-        """Raise WatcherStopped for a signal received earlier whose exception was dropped."""
-        if self.received is not None:
-            raise WatcherStopped(self.received)
+        """Raise WatcherStopped for a signal received earlier."""
+        stop_point()
 
 
 def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = evaluate) -> int:
@@ -295,7 +296,7 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = ev
                       f"{run_dir}; {evaluated} evaluations now, every published checkpoint evaluated. Resume the "
                       f"run (submit it again) and start a new watcher", file=sys.stderr, flush=True)
                 return 1
-            time.sleep(args.poll_seconds)
+            sleep_to_stop_point(args.poll_seconds)
     except WatcherStopped as stop:
         print(f"stopped on {stop}: {evaluated} evaluations now; rerun the same command (a requeued job does) to go "
               "on", file=sys.stderr, flush=True)
@@ -303,4 +304,5 @@ def watch(args: argparse.Namespace, evaluate: Callable[[list[str]], object] = ev
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        clear_stop_request()
         lock.release()
