@@ -326,7 +326,10 @@ def test_a_write_killed_with_sigkill_leaves_no_worker_and_the_next_write_removes
         process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, str(out)], cwd=REPO_ROOT, start_new_session=True,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + scaled(60)
-        while not (record.exists() and record.read_text() and worker_pids(process.pid)):
+        # the record must name a live segment: in part 2 the record of part 1's write (its segment freed) is still
+        # there until the new write replaces it, and a child of the writer (its resource tracker) may already run
+        while not (record.exists() and record.read_text() and Path(f"/dev/shm/{record.read_text()}").exists()
+                   and worker_pids(process.pid)):
             assert process.poll() is None and time.time() < deadline, "the write ended before it was killed"
             time.sleep(0.05)
         return process
