@@ -36,7 +36,9 @@ from tests.machine_speed import scaled
 
 # `python -m NAME` -> the module whose main(argv) it runs
 MODULES = {"pretrain": "pretrain.__main__", "eval": "eval.__main__", "transfer": "transfer.__main__",
-           "launch": "launch.__main__", "pretrain.bench": "pretrain.bench", "pretrain.data": "pretrain.data.__main__"}
+           "launch": "launch.__main__", "pretrain.bench": "pretrain.bench", "pretrain.data": "pretrain.data.__main__",
+           # the tests' own multi-process workers
+           **{name: name for name in ("tests.test_distributed_equality", "tests.test_dino", "tests.test_smoco")}}
 
 
 # `torchrun --standalone --nproc-per-node N -m MODULE ARGV` as the tests write it (N follows)

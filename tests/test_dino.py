@@ -8,7 +8,6 @@ two-process tests.
 import json
 import math
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from pretrain.losses.dino import dino_cross_entropy_table, dino_loss_per_sample
 from pretrain.methods import build_method
 from pretrain.methods.base import Method
 from pretrain.runtime.optim import build_optimizer, set_schedule_values
-from tests.machine_speed import scaled
+from tests import forked_runs
 from tests.engine_helpers import DINO_MULTI_CROP, SMALL_RESNET, start_worker
 
 ROOT = Path(__file__).parents[1]
@@ -435,10 +434,7 @@ def two_process_worker(out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dino_two_processes")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "tests.test_dino", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300), check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
+    forked_runs.run("tests.test_dino", [str(out)], timeout=300, processes=2)     # as torchrun's 2 workers
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -468,8 +464,6 @@ def test_centre_is_all_reduced_over_the_processes(two_process_results):
 
 def pretrain(run_dir: Path, digits: Path, *overrides: str):
     """`python -m pretrain ...` (forked from a server that imported torch: tests/forked_runs.py)."""
-    from tests import forked_runs
-
     return forked_runs.run("pretrain", [
         "--config", CONFIG, f"run_dir={run_dir}", f"data.train={digits / 'train.beton'}",
         f"data.val={digits / 'val.beton'}", *TINY, "data.batch_size=16", "hvs.enabled=true",
@@ -519,5 +513,10 @@ def test_run_with_hard_view_selection_exports_the_teacher_and_resumes_it(digits,
     assert torch.load(run_dir / "backbone.pth", weights_only=True)["step"] == 5
 
 
+def main(argv: list[str]) -> None:
+    """The worker's entry: `python -m tests.test_dino OUT_DIR`, or forked (tests/forked_runs.py)."""
+    two_process_worker(Path(argv[0]))
+
+
 if __name__ == "__main__":
-    two_process_worker(Path(sys.argv[1]))
+    main(sys.argv[1:])

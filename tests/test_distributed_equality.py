@@ -13,14 +13,13 @@ Run as a module (`python -m tests.test_distributed_equality OUT_DIR`, under torc
 file is the worker: OUT_DIR/world1.pt holds the one-process steps, OUT_DIR/world2.pt how the two-process steps
 differ from them.
 """
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.machine_speed import scaled
+from tests import forked_runs
 from tests.engine_helpers import DINO_MULTI_CROP, SMALL_RESNET, start_worker
 
 ROOT = Path(__file__).parents[1]
@@ -152,13 +151,10 @@ def worker(out_dir: Path) -> None:
 def results(tmp_path_factory) -> dict:
     """Per case and stage: how far the one-process step moved the weights, and how the two-process step differs."""
     out = tmp_path_factory.mktemp("distributed_equality")
-    # The one-process run, then the two-process run, which compares with it (one thread per process; torchrun's
-    # --standalone rendezvous takes a free port).
+    # The one-process run, then the two-process run, which compares with it (one thread per process), each forked as
+    # torchrun's workers would be (tests/forked_runs.py)
     for processes in (1, 2):
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              str(processes), "-m", "tests.test_distributed_equality", str(out)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=scaled(600), check=False)
-        assert run.returncode == 0, run.stderr[-4000:]
+        forked_runs.run("tests.test_distributed_equality", [str(out)], timeout=600, processes=processes)
     return torch.load(out / "world2.pt", weights_only=False)
 
 
@@ -171,5 +167,10 @@ def test_two_processes_take_the_one_process_step(results, name, stage):
     assert result["differences"] == []
 
 
+def main(argv: list[str]) -> None:
+    """The worker's entry: `python -m tests.test_distributed_equality OUT_DIR`, or forked (tests/forked_runs.py)."""
+    worker(Path(argv[0]))
+
+
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    main(sys.argv[1:])

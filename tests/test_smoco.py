@@ -8,8 +8,6 @@ Run as a module (`torchrun --nproc-per-node 2 -m tests.test_smoco OUT_DIR`), thi
 two-process tests.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch.nn.functional as F
 from pretrain.config import ConfigError, load_config
 from pretrain.hvs import candidate_combinations, select_hard_views
 from pretrain.methods import build_method
-from tests.machine_speed import scaled
+from tests import forked_runs
 from tests.engine_helpers import SMALL_RESNET, start_worker
 
 ROOT = Path(__file__).parents[1]
@@ -271,11 +269,7 @@ def two_process_worker(out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("smoco_two_processes")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "tests.test_smoco", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300), check=False,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-4000:]
+    forked_runs.run("tests.test_smoco", [str(out)], timeout=300, processes=2)    # as torchrun's 2 workers
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -300,15 +294,12 @@ def test_weighted_contrastive_gathers_negatives_into_the_one_process_loss(two_pr
 
 # ==== a whole run: selection, logging, queue and key encoder saved and resumed ====
 
-def pretrain(run_dir: Path, data: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pretrain", "--config", str(CONFIG), f"run_dir={run_dir}",
-               f"data.train={data / 'train.beton'}", f"data.val={data / 'test.beton'}", *TINY,
-               "hvs.enabled=true", "engine.checkpoint_every_steps=1", "engine.keep_checkpoints=10",
-               "engine.log_every_steps=1", "method.momentum=0.9", "optim.warmup_epochs=0", "optim.lr=0.01", *overrides]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300), check=False,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
+def pretrain(run_dir: Path, data: Path, *overrides: str) -> forked_runs.ForkedRun:
+    return forked_runs.run("pretrain", [
+        "--config", str(CONFIG), f"run_dir={run_dir}", f"data.train={data / 'train.beton'}",
+        f"data.val={data / 'test.beton'}", *TINY, "hvs.enabled=true", "engine.checkpoint_every_steps=1",
+        "engine.keep_checkpoints=10", "engine.log_every_steps=1", "method.momentum=0.9", "optim.warmup_epochs=0",
+        "optim.lr=0.01", *overrides], timeout=300, env={"OMP_NUM_THREADS": "1"})
 
 
 def saved_state(run_dir: Path, step: int) -> dict:
@@ -344,5 +335,10 @@ def test_run_with_selection_saves_and_resumes_the_queue_and_the_key_encoder(digi
         assert torch.allclose(value, expected, atol=1e-5), name
 
 
+def main(argv: list[str]) -> None:
+    """The worker's entry: `python -m tests.test_smoco OUT_DIR`, or forked (tests/forked_runs.py)."""
+    two_process_worker(Path(argv[0]))
+
+
 if __name__ == "__main__":
-    two_process_worker(Path(sys.argv[1]))
+    main(sys.argv[1:])
