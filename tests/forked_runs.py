@@ -38,7 +38,8 @@ from tests.machine_speed import scaled
 MODULES = {"pretrain": "pretrain.__main__", "eval": "eval.__main__", "transfer": "transfer.__main__",
            "launch": "launch.__main__", "pretrain.bench": "pretrain.bench", "pretrain.data": "pretrain.data.__main__",
            # the tests' own multi-process workers
-           **{name: name for name in ("tests.test_distributed_equality", "tests.test_dino", "tests.test_smoco")}}
+           **{f"tests.{name}": f"tests.{name}" for name in ("test_distributed_equality", "test_dino", "test_smoco",
+                                                     "test_engine_step", "test_gradient_edits", "test_online_monitors")}}
 
 
 # `torchrun --standalone --nproc-per-node N -m MODULE ARGV` as the tests write it (N follows)

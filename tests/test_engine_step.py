@@ -13,7 +13,6 @@ side (half of the methods each, the second also the ZeRO-3 and clipping steps), 
 import copy
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,8 +20,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.engine_helpers import (BF16_TEST_MODEL, CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, ROOT, TINY, engine_for,
+from tests import forked_runs
+from tests.engine_helpers import (BF16_TEST_MODEL, CONFIGS, DINO_MULTI_CROP, METHOD_CONFIGS, TINY, engine_for,
                                   one_sgd_step_and_its_reference, start_worker, views_and_boxes)
+from tests.machine_speed import scaled
 
 pytestmark = pytest.mark.slow          # one worker process: DeepSpeed steps of every method under every ZeRO stage
 
@@ -190,12 +191,10 @@ def worker(out_dir: Path, part: int) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("engine_step")
-    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_engine_step", str(out), str(part)], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in range(PARTS)]
+    workers = [forked_runs.start("tests.test_engine_step", [out, part]) for part in range(PARTS)]
     merged = {"bf16": {}}
     for part, process in enumerate(workers):
-        _, stderr = process.communicate(timeout=600)
-        assert process.returncode == 0, stderr[-4000:]
+        assert process.wait(scaled(600)) == 0, process.stderr[-4000:]
         results = json.loads((out / f"results{part}.json").read_text())
         merged["bf16"].update(results.pop("bf16"))
         merged.update(results)
@@ -239,5 +238,10 @@ def test_grad_clip_0_applies_the_whole_gradient_and_0_5_clips_to_0_5(results, st
     assert clipped["error"] < 1e-3 * clipped["step_size"]
 
 
+def main(argv: list[str]) -> None:
+    """The worker's entry: `python -m tests.test_engine_step OUT_DIR PART`, or forked (tests/forked_runs.py)."""
+    worker(Path(argv[0]), int(argv[1]))
+
+
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), int(sys.argv[2]))
+    main(sys.argv[1:])

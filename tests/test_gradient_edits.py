@@ -13,15 +13,15 @@ thread and its own process group, results in OUT_DIR/PART.json; the tests start 
 side by side.
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import forked_runs
 from tests.machine_speed import scaled
-from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, ROOT, SMALL_RESNET, TINY, engine_for, one_sgd_step_and_its_reference,
+from tests.engine_helpers import (CONFIGS, DINO_MULTI_CROP, SMALL_RESNET, TINY, engine_for, one_sgd_step_and_its_reference,
                                   start_worker, views_and_boxes)
 
 pytestmark = pytest.mark.slow          # one worker process: a few DeepSpeed steps under four ZeRO stages
@@ -117,11 +117,9 @@ def worker(out_dir: Path, part: str) -> None:
 def results(tmp_path_factory) -> dict:
     """Both parts side by side, one process (and one thread) each."""
     out = tmp_path_factory.mktemp("gradient_edits")
-    workers = {part: subprocess.Popen([sys.executable, "-m", "tests.test_gradient_edits", str(out), part], cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in PARTS}
+    workers = {part: forked_runs.start("tests.test_gradient_edits", [out, part]) for part in PARTS}
     for process in workers.values():
-        _, stderr = process.communicate(timeout=scaled(600))
-        assert process.returncode == 0, stderr[-4000:]
+        assert process.wait(scaled(600)) == 0, process.stderr[-4000:]
     return {part: json.loads((out / f"{part}.json").read_text()) for part in PARTS}
 
 
@@ -149,5 +147,10 @@ def test_every_zero_stage_ends_with_the_same_weights(results):
         assert worst < 1e-5
 
 
+def main(argv: list[str]) -> None:
+    """The worker's entry: `python -m tests.test_gradient_edits OUT_DIR PART`, or forked (tests/forked_runs.py)."""
+    worker(Path(argv[0]), argv[1])
+
+
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), sys.argv[2])
+    main(sys.argv[1:])

@@ -6,7 +6,6 @@ process, its own process group, results in OUT_DIR/results.json.
 """
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +14,8 @@ import pytest
 import torch
 
 from pretrain.online_monitors import RANKME_EPS, OnlineLinearProbe, rankme
-from tests.machine_speed import scaled
-from tests.engine_helpers import CONFIGS, ROOT, TINY, engine_for, start_worker, views_and_boxes
+from tests import forked_runs
+from tests.engine_helpers import CONFIGS, TINY, engine_for, start_worker, views_and_boxes
 
 
 def test_rankme_is_the_exponential_of_the_entropy_of_the_normalised_singular_values():
@@ -146,9 +145,7 @@ def test_the_online_probe_never_changes_what_the_engine_trains(digits, tmp_path)
     """With global clipping on (the probe's gradients would change the clip coefficient if the engine saw them)
     and under ZeRO 0 and 2, three steps with the probe equal three steps without it, bit for bit, while the
     probe itself moved and logged its accuracy."""
-    finished = subprocess.run([sys.executable, "-m", "tests.test_online_monitors", str(tmp_path), str(digits)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=scaled(600), check=False)
-    assert finished.returncode == 0, finished.stderr[-4000:]
+    forked_runs.run("tests.test_online_monitors", [tmp_path, digits], timeout=600)
     results = json.loads((tmp_path / "results.json").read_text())
     for stage, result in results.items():
         assert result["moved"] > 1e-3 and result["difference"] == 0.0, stage
@@ -158,5 +155,10 @@ def test_the_online_probe_never_changes_what_the_engine_trains(digits, tmp_path)
         assert "monitor/rankme" in result["logged"]["False"], stage
 
 
+def main(argv: list[str]) -> None:
+    """The worker's entry: `python -m tests.test_online_monitors OUT_DIR DIGITS`, or forked (tests/forked_runs.py)."""
+    worker(Path(argv[0]), Path(argv[1]))
+
+
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(sys.argv[1:])
