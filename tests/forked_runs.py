@@ -12,8 +12,8 @@ time of the call, its stdout and stderr captured in files (in one temporary fold
 the session ends); it executes the module's `main(argv)` exactly as
 `python -m MODULE ARGV` does and exits with its status. Several processes of one run (`processes=N`, a
 `ForkedGroup`) are forked the same way, each given the variables `torchrun --standalone` gives its workers: a
-two-process digits run took 7 s so against 22 s under torchrun, whose workers import everything anew (2 cores of an
-AMD EPYC with AVX-512, 2026-11-29); their losses were equal to the last bit. Runs that need a fresh interpreter on
+two-process digits run of 6 steps took 7 s so, against 22 s under torchrun, whose workers import everything anew (2
+cores of an AMD EPYC with AVX-512 that a training run shared, 2026-11-29); their losses were equal to the last bit. Runs that need a fresh interpreter on
 purpose still use subprocess.
 """
 from __future__ import annotations
