@@ -4,6 +4,10 @@ theta (m = 0.999), embeds a second view of every image into a FIFO memory queue 
 with its class label; the batch's queries (first view, the trained encoder) are contrasted with the whole
 memory, every entry of the query's class a positive and every other a negative, and the pairs are weighted
 by the forms of Table 1 or by the hinge-like HLL of section 3.3 (pretrain/losses/pair_weighting.py).
+The contrastive and HLL forms sum over the query's pairs (sec. 3.3, as XBM), so the logged loss grows while the
+memory fills: on the digits (20 keys a step, 512 slots) it rises about tenfold over the first 20 steps
+(tests/golden/losses.json: 2.4 at step 1, 24.6 at step 20), as the candidates do (20, then about 400), and stops
+rising once the memory is full at step 26 (26 to 33 from there to step 60; the digits preset, one thread).
 
 The same method gives the paper's three training schemes (Figure 1, Figure 10):
 - s-MoCo: method.memory_size > 0, method.momentum = 0.999;
