@@ -327,6 +327,7 @@ def check_view_group(group: ViewGroup) -> None:
         raise ValueError(f"ViewGroup.ratio must satisfy 0 < min <= max, got {ratio}; e.g. use [0.75, 1.333].")
     if len(sigma) != 2 or not 0 < sigma[0] <= sigma[1]:
         raise ValueError(f"ViewGroup.blur_sigma must satisfy 0 < min <= max, got {sigma}; e.g. use [0.1, 2.0].")
+    blur_kernel_size(group.size, group.blur_kernel, sigma[1])          # an unknown rule raises, naming it
 
 
 def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGroup, generator: torch.Generator,
@@ -387,7 +388,8 @@ def augment_group(canvas: torch.Tensor, source_hw: torch.Tensor, group: ViewGrou
 
     if blur.any():                             # the chosen views only, in place
         chosen = blur.nonzero().squeeze(1)
-        gaussian_blur_(views, chosen, sigma[chosen], blur_kernel_size(size), opencv=one_by_one)
+        kernel = blur_kernel_size(size, group.blur_kernel, group.blur_sigma[1])
+        gaussian_blur_(views, chosen, sigma[chosen], kernel, opencv=one_by_one)
 
     if solarize.any():                         # in place, on the chosen views only
         chosen = solarize.nonzero().squeeze(1).to(device)

@@ -32,8 +32,8 @@ def appearance_transform(group: ViewGroup, mean: Sequence[float], std: Sequence[
         transforms.RandomApply([transforms.ColorJitter(group.brightness, group.contrast, group.saturation,
                                                        group.hue)], p=group.jitter_p),
         transforms.RandomGrayscale(group.grayscale_p),
-        transforms.RandomApply([transforms.GaussianBlur(blur_kernel_size(group.size), group.blur_sigma)],
-                               p=group.blur_p),
+        transforms.RandomApply([transforms.GaussianBlur(
+            blur_kernel_size(group.size, group.blur_kernel, group.blur_sigma[1]), group.blur_sigma)], p=group.blur_p),
         transforms.RandomSolarize(128, p=group.solarize_p),
         transforms.ToTensor(),
         transforms.Normalize(mean, std),

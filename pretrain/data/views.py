@@ -31,6 +31,10 @@ class ViewGroup:
     grayscale_p: float = 0.2
     blur_p: float = 0.0
     blur_sigma: tuple[float, float] = (0.1, 2.0)
+    # The blur kernel's side (pretrain/data/blur.py: blur_kernel_size): "tenth" of the view, SimCLR's rule
+    # (google-research/simclr data_util.py: image_size // 10), or "sigma": out to 3 x the largest sigma, the whole
+    # Gaussian that PIL's GaussianBlur(radius=sigma) blurs with (DINO's and SimSiam's utils.GaussianBlur)
+    blur_kernel: str = "tenth"
     solarize_p: float = 0.0
     # The filter that resizes each crop to `size`: bilinear | bicubic (DINO's DataAugmentationDINO, main_dino.py:436;
     # google-research/simclr's crop_and_resize), both antialiased. Costs: docs/benchmarks.md.
