@@ -9,8 +9,8 @@ drop), then rerun with the limit. Compared with no tolerance (tests/run_helpers.
 every tensor and value of the last checkpoint (the model, the optimizer's state and each ZeRO shard of it, the
 method's state outside the engine: DINO's teacher, centre and step counter, s-MoCo's key encoder and queue, the
 online probe), its trainer_state.json, the exported backbone and every logged value of every step, all but the
-clock's and the run's folder (NOT_COMPARED). No case needed a tolerance: all are bit-identical (fp32; bf16 is not
-among them, and two processes are compared with two).
+clock's and the run's folder (NOT_COMPARED). No case needed a tolerance: all are bit-identical, bf16 (DINO under
+ZeRO-2 on two processes; the small ResNet where bf16 is emulated) as fp32 (two processes are compared with two).
 
 The second test shows the comparison is no formality: the same resume from a copy of the uninterrupted run's first
 checkpoint with one piece of state left out (reset to what a fresh start has; DINO's teacher and s-MoCo's key encoder
@@ -29,12 +29,13 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
+from tests.engine_helpers import BF16_TEST_MODEL
 from tests.golden_losses import SMALL_BATCH
 from tests.run_helpers import ROOT, differences, final_state, kill_process_tree, logged, run, start
 
 STEPS, EVERY = 8, 3
 # (id, preset, overrides, ZeRO stage, processes): every method with state of its own, selection, each ZeRO stage on
-# one process and on two; a preset's batch as the golden losses' (16 a process; s-MoCo's 20, its group design's)
+# one process and on two, bf16 once; a preset's batch as the golden losses' (16 a process; s-MoCo's 20, its group's)
 CASES = [("simclr", "simclr_digits", [], 0, 1),
          ("dino", "dino_digits", [], 0, 1),
          ("smoco", "smoco_digits", [], 0, 1),
@@ -42,7 +43,8 @@ CASES = [("simclr", "simclr_digits", [], 0, 1),
          ("dino_zero3", "dino_digits", [], 3, 1),
          ("tcl_2proc", "tcl_digits", [], 0, 2),
          ("smoco_zero2_2proc", "smoco_digits", [], 2, 2),
-         ("simclr_hvs_zero3_2proc", "simclr_digits", ["hvs.enabled=true"], 3, 2)]
+         ("simclr_hvs_zero3_2proc", "simclr_digits", ["hvs.enabled=true"], 3, 2),
+         ("dino_bf16_zero2_2proc", "dino_digits", ["engine.precision=bf16", *BF16_TEST_MODEL], 2, 2)]
 
 
 def command(case: tuple, digits: Path, run_dir: Path, *extra: str) -> list[str]:
