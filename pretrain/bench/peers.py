@@ -1,14 +1,18 @@
 """`python -m pretrain.bench peers`: this project against a peer library at equal settings, on Fashion-MNIST.
 
-For each method (SimCLR, SimSiam) and seed, two runs of the same recipe, scored by the same evaluation:
+For each method (SimCLR, SimSiam, DINO) and seed, two runs of the same recipe, scored by the same evaluation:
 - this project: `python -m pretrain --config configs/pretrain/METHOD_fashion_mnist.yaml` (plus the recipe's
   overrides), its FFCV loader, its method, its DeepSpeed loop;
 - the peer: lightly 1.6's own pieces for the method (its view transform, projection / prediction heads and loss)
   in a plain PyTorch loop over the same Fashion-MNIST images (PIL, torchvision DataLoader), on the same backbone
-  (`pretrain.models.create_backbone`: timm ResNet-18, stride-2 stem, zero-initialised residuals), with the recipe's
-  optimizer and schedule (SGD, momentum 0.9, this project's lr arrays: the peak lr x batch / 256 after a linear
-  warm-up, then a cosine), with the weight decay on every parameter as lightly's examples have it, the recipe's
-  batch and epochs; its backbone is written as this project's export.
+  (`pretrain.models.create_backbone`: timm ResNet-18, stride-2 stem, residuals zero-initialised as the recipe's
+  method's reference: SimCLR and SimSiam yes, DINO no), with the recipe's optimizer and schedule (SGD, momentum 0.9,
+  this project's lr arrays: the peak lr x batch / 256 after a linear warm-up, then a cosine), with the weight decay
+  on every parameter as lightly's examples have it, the recipe's batch and epochs; its backbone is written as this
+  project's export (DINO's: the teacher's, as `method.export`). DINO's peer is lightly's DINO example with the
+  recipe's settings: DINOTransform (2 globals, no locals), DINOProjectionHead, DINOLoss, the teacher updated by
+  `update_momentum` at lightly's `cosine_schedule` from the recipe's momentum to 1 over the run's steps, the last
+  layer's gradients cancelled for the recipe's first steps, and DINO's per-parameter gradient clipping.
 Both exports are scored by `python -m eval knn` (k = 20) and `python -m eval linear` on the 10,000 test images
 after every epoch; images/s is the median of the logged windows of each run (loader included). What still differs
 between the two sides (BatchNorm's batch first: for SimCLR the peer normalises each view on its own) is DIFFERENCES,
@@ -38,6 +42,7 @@ RECIPES = {   # the project's config and what the comparison sets on both sides
     "simclr": ("configs/pretrain/simclr_fashion_mnist.yaml", []),
     # lightly's SimSiamProjectionHead has 3 layers (the SimSiam paper's); the project's config, 2 for the CPU
     "simsiam": ("configs/pretrain/simsiam_fashion_mnist.yaml", ["model.proj_layers=3"]),
+    "dino": ("configs/pretrain/dino_fashion_mnist.yaml", []),
 }
 LIGHTLY_INSTALL = "make bench-peers (pip install --no-deps lightly==1.6.0 lightning-utilities)"
 # What still differs between the two sides, printed under the table and kept in the JSON (docs/benchmarks.md).
@@ -51,7 +56,12 @@ DIFFERENCES = [
     "parameter (facebookresearch/simsiam)",
     "the SimCLR projector's last BatchNorm: affine in lightly's head, scale-only here (google-research/simclr)",
     "the views: lightly's transform on PIL images through a torchvision DataLoader, this project's FFCV loader and "
-    "its own augmentations, at the recipe's settings",
+    "its own augmentations, at the recipe's settings (DINO's blur: PIL's three box blurs on the peer's side, the "
+    "sampled Gaussian out to three sigmas here)",
+    "DINO: the peer decays every parameter (lightly's example), this project's DINO leaves norms and biases "
+    "undecayed as facebookresearch/dino (optim.decay_norm_and_bias=true decays them); the peer's teacher sees the two "
+    "globals in one batch per view (lightly), as here; the last layer's gradients are cancelled for the same steps "
+    "on both sides",
 ]
 
 
@@ -80,14 +90,101 @@ class GrayImages(torch.utils.data.Dataset):
         return self.transform(Image.fromarray(self.images[index]).convert("RGB"))
 
 
-def lightly_model(method: str, cfg, backbone: torch.nn.Module):
-    """(transform, heads, loss of (backbone features of each view) -> scalar) from lightly for `method`, with the
-    recipe's view, head and temperature settings."""
+class PeerMethod:
+    """A method of the peer: lightly's view transform, the trainable heads, the loss of a batch of views (a list of
+    tensors) through the student backbone, what follows the backward and the optimizer step, and the backbone to
+    export. SimCLR and SimSiam need no more than the loss."""
+
+    def __init__(self, transform, heads: torch.nn.ModuleDict, loss):
+        self.transform, self.heads, self.loss = transform, heads, loss
+
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def exported(self, backbone: torch.nn.Module) -> torch.nn.Module:
+        return backbone
+
+
+class PeerDINO(PeerMethod):
+    """lightly's DINO example (lightly/examples/pytorch/dino.py) at the recipe's settings, the schedule per step."""
+
+    def __init__(self, cfg, backbone: torch.nn.Module, steps: int, steps_per_epoch: int):
+        # optional: lightly, installed by `make bench-peers`, not a dependency of the package
+        import copy
+
+        from lightly.loss import DINOLoss
+        from lightly.models.modules import DINOProjectionHead
+        from lightly.models.utils import deactivate_requires_grad, update_momentum
+        from lightly.transforms import DINOTransform
+        from lightly.utils.scheduler import cosine_schedule
+
+        method, model, (first, second) = cfg.method, cfg.model, cfg.data.views[:2]
+        transform = DINOTransform(
+            global_crop_size=first.size, global_crop_scale=tuple(first.scale), n_local_views=0, hf_prob=first.flip_p,
+            cj_prob=first.jitter_p, cj_strength=1.0, cj_bright=first.brightness, cj_contrast=first.contrast,
+            cj_sat=first.saturation, cj_hue=first.hue, random_gray_scale=first.grayscale_p,
+            gaussian_blur=(first.blur_p, second.blur_p, 0.0), sigmas=tuple(first.blur_sigma),
+            solarization_prob=second.solarize_p, normalize={"mean": list(cfg.data.mean), "std": list(cfg.data.std)})
+        def dino_head() -> torch.nn.Module:
+            return DINOProjectionHead(backbone.num_features, model.proj_hidden_dim, model.proj_out_dim, method.out_dim,
+                                      batch_norm=method.use_bn_in_head, freeze_last_layer=1,
+                                      norm_last_layer=method.norm_last_layer)
+        # The teacher starts as the student, as facebookresearch/dino's (lightly's example builds its teacher head
+        # anew; a weight-normalised head cannot be deep-copied)
+        head, teacher_head = dino_head(), dino_head()
+        teacher_head.load_state_dict(head.state_dict())
+        self.teacher = torch.nn.ModuleDict({"backbone": copy.deepcopy(backbone), "head": teacher_head})
+        deactivate_requires_grad(self.teacher)
+        criterion = DINOLoss(output_dim=method.out_dim, warmup_teacher_temp=method.warmup_teacher_temp,
+                             teacher_temp=method.teacher_temp, student_temp=method.student_temp,
+                             center_momentum=method.center_momentum)
+        self.frozen_steps = round(method.freeze_last_layer_epochs * steps_per_epoch)
+        self.clip = float(cfg.optim.grad_clip_per_parameter)
+        self.momentum = [cosine_schedule(step, steps, method.momentum_teacher, 1.0) for step in range(steps)]
+        self.update_momentum, self.backbone, self.head = update_momentum, backbone, head
+        warmup = round(method.warmup_teacher_temp_epochs * steps_per_epoch)
+        self.teacher_temp = [method.teacher_temp if step >= warmup else method.warmup_teacher_temp
+                             + (method.teacher_temp - method.warmup_teacher_temp) * step / warmup
+                             for step in range(steps)]
+        self.step = 0
+
+        def loss(views: list[torch.Tensor]) -> torch.Tensor:
+            with torch.no_grad():
+                teacher = [self.teacher["head"](self.teacher["backbone"](view)) for view in views]
+            student = [head(backbone(view)) for view in views]
+            return criterion(teacher, student, teacher_temp=self.teacher_temp[self.step])
+        super().__init__(transform, torch.nn.ModuleDict({"head": head}), loss)
+
+    def after_backward(self, step: int) -> None:
+        self.head.cancel_last_layer_gradients(current_epoch=0 if step < self.frozen_steps else 1)
+        if self.clip > 0:                     # facebookresearch/dino utils.clip_gradients
+            for p in [*self.backbone.parameters(), *self.head.parameters()]:
+                if p.grad is not None:
+                    scale = self.clip / (p.grad.norm() + 1e-6)
+                    if scale < 1:
+                        p.grad.mul_(scale)
+
+    def after_step(self, step: int) -> None:
+        self.update_momentum(self.backbone, self.teacher["backbone"], m=self.momentum[step])
+        self.update_momentum(self.head, self.teacher["head"], m=self.momentum[step])
+        self.step = step + 1
+
+    def exported(self, backbone: torch.nn.Module) -> torch.nn.Module:
+        return self.teacher["backbone"]
+
+
+def lightly_model(method: str, cfg, backbone: torch.nn.Module, steps: int, steps_per_epoch: int) -> PeerMethod:
+    """lightly's pieces for `method`, with the recipe's view, head and loss settings."""
     # optional: lightly, installed by `make bench-peers`, not a dependency of the package
     from lightly.loss import NegativeCosineSimilarity, NTXentLoss
     from lightly.models.modules import (SimCLRProjectionHead, SimSiamPredictionHead, SimSiamProjectionHead)
     from lightly.transforms import SimCLRTransform, SimSiamTransform
 
+    if method == "dino":
+        return PeerDINO(cfg, backbone, steps, steps_per_epoch)
     view = cfg.data.views[0]
     transform_options = dict(input_size=view.size, cj_prob=view.jitter_p, cj_strength=1.0, cj_bright=view.brightness,
                              cj_contrast=view.contrast, cj_sat=view.saturation, cj_hue=view.hue,
@@ -97,21 +194,20 @@ def lightly_model(method: str, cfg, backbone: torch.nn.Module):
     if method == "simclr":
         projector = SimCLRProjectionHead(width, model.proj_hidden_dim, model.proj_out_dim, num_layers=model.proj_layers)
         criterion = NTXentLoss(temperature=cfg.method.temperature)
-        heads = torch.nn.ModuleDict({"projector": projector})
 
-        def loss(features: list[torch.Tensor]) -> torch.Tensor:
-            return criterion(projector(features[0]), projector(features[1]))
-        return SimCLRTransform(**transform_options), heads, loss
+        def loss(views: list[torch.Tensor]) -> torch.Tensor:
+            return criterion(projector(backbone(views[0])), projector(backbone(views[1])))
+        return PeerMethod(SimCLRTransform(**transform_options), torch.nn.ModuleDict({"projector": projector}), loss)
     projector = SimSiamProjectionHead(width, model.proj_hidden_dim, model.proj_out_dim)
     predictor = SimSiamPredictionHead(model.proj_out_dim, model.pred_hidden_dim, model.proj_out_dim)
     criterion = NegativeCosineSimilarity()
-    heads = torch.nn.ModuleDict({"projector": projector, "predictor": predictor})
 
-    def loss(features: list[torch.Tensor]) -> torch.Tensor:        # lightly's SimSiam example
-        z0, z1 = projector(features[0]), projector(features[1])
+    def simsiam_loss(views: list[torch.Tensor]) -> torch.Tensor:        # lightly's SimSiam example
+        z0, z1 = projector(backbone(views[0])), projector(backbone(views[1]))
         p0, p1 = predictor(z0), predictor(z1)
         return 0.5 * (criterion(z0.detach(), p1) + criterion(z1.detach(), p0))
-    return SimSiamTransform(**transform_options), heads, loss
+    return PeerMethod(SimSiamTransform(**transform_options),
+                      torch.nn.ModuleDict({"projector": projector, "predictor": predictor}), simsiam_loss)
 
 
 def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
@@ -125,13 +221,19 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
     from pretrain.models import create_backbone
     from pretrain.runtime.optim import schedules_from_config, set_schedule_values
 
+    if cfg.optim.name != "sgd":
+        raise SystemExit(f"error: the peer's loop trains with SGD; the recipe's optim.name is {cfg.optim.name!r}")
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    backbone = create_backbone(cfg.model.arch, cfg.model.stem, zero_init_residual=True)
-    transform, heads, loss_of = lightly_model(method, cfg, backbone)
+    backbone = create_backbone(cfg.model.arch, cfg.model.stem, zero_init_residual=cfg.model.zero_init_residual)
     images, _ = read_fashion_mnist()["train"]
-    loader = torch.utils.data.DataLoader(GrayImages(images, transform), batch_size=cfg.data.batch_size, shuffle=True,
-                                         drop_last=True, num_workers=workers, persistent_workers=workers > 0,
+    steps_per_epoch = len(images) // cfg.data.batch_size
+    total = steps_per_epoch * cfg.optim.epochs       # the project's run of this recipe: its epochs, no compute budget
+    peer = lightly_model(method, cfg, backbone, total, steps_per_epoch)
+    heads = peer.heads
+    loader = torch.utils.data.DataLoader(GrayImages(images, peer.transform), batch_size=cfg.data.batch_size,
+                                         shuffle=True, drop_last=True, num_workers=workers,
+                                         persistent_workers=workers > 0,
                                          generator=torch.Generator().manual_seed(cfg.seed))
     # The recipe's optimizer and schedule (this project's arrays, so that every step's lr is the same on both sides);
     # the weight decay on every parameter, as lightly's examples; SimSiam's predictor at the base lr (fix_pred_lr).
@@ -139,7 +241,6 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
     rest = [p for p in [*backbone.parameters(), *heads.parameters()] if all(p is not q for q in fixed)]
     optimizer = torch.optim.SGD([{"params": rest}, *([{"params": fixed, "fixed_lr": True}] if fixed else [])],
                                 lr=cfg.optim.lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
-    total = len(loader) * cfg.optim.epochs           # the project's run of this recipe: its epochs, no compute budget
     schedules = schedules_from_config(cfg, len(loader), total, cfg.data.batch_size)
     backbone.train(), heads.train()
     rates, step, window, started = [], 0, cfg.engine.print_every_steps, time.perf_counter()
@@ -147,10 +248,12 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
     for epoch in range(cfg.optim.epochs):
         for views in loader:
             set_schedule_values(optimizer, schedules.lr[step], schedules.weight_decay[step], schedules.peak_lr, step)
-            loss = loss_of([backbone(view) for view in views])
+            loss = peer.loss(views)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            peer.after_backward(step)
             optimizer.step()
+            peer.after_step(step)
             step += 1
             if step % window == 0:
                 rates.append(window * cfg.data.batch_size / (time.perf_counter() - started))
@@ -158,7 +261,7 @@ def train_peer(method: str, cfg, run_dir: Path, workers: int) -> list[float]:
                       f"{rates[-1]:.0f} img/s", flush=True)
                 started = time.perf_counter()
         export = {"arch": cfg.model.arch, "stem": cfg.model.stem, "epoch": epoch, "step": step,
-                  "state_dict": {k: v.detach().clone() for k, v in backbone.state_dict().items()},
+                  "state_dict": {k: v.detach().clone() for k, v in peer.exported(backbone).state_dict().items()},
                   "config": OmegaConf.to_container(cfg, resolve=True)}
         torch.save(export, run_dir / "exports" / f"backbone_step{step:08d}.pth")
         torch.save(export, run_dir / "backbone.pth")
