@@ -400,12 +400,16 @@ def test_a_time_budget_ends_the_run_as_a_finished_one_and_a_killed_run_keeps_its
     seconds = [line["perf/training_seconds"] for line in lines]
     assert seconds[killed_at - 1] == clock_at_kill and seconds[killed_at] > clock_at_kill   # the clock went on
     assert seconds == sorted(seconds) and seconds[-2] < budget_s <= seconds[-1]  # it stopped at the budget, not after
-    # A step counts no more than it took. The clock is read when the processes agree on the stop, a line's "time"
-    # when it is written (after the step's all-reduce): the bound is the delay between the two, 1-2 ms idle, and 12
-    # ms more once on the AVX2-only EPYC beside the Slurm tests (the scheduler's time slices under load). The bugs
-    # it is here for (counting the minutes between kill and resume, a start-up, a checkpoint's save) are seconds.
-    for before, after in zip(lines[killed_at:], lines[killed_at + 1:]):
-        assert after["perf/training_seconds"] - before["perf/training_seconds"] <= after["time"] - before["time"] + 0.05
+    # The resumed steps count no more than they took. The clock is read when the processes agree on the stop, a
+    # line's "time" when it is written (after the step's all-reduce), so the two differ by that delay: 1-2 ms idle,
+    # 12 ms more once on the AVX2-only EPYC beside the Slurm tests, and 60 ms for one step of a fresh clone's suite
+    # that shared 2 cores with a training run (2026-11-29: a bound of 50 ms a step failed there). Compared over all
+    # the resumed steps at once, the delays cancel but the first's and the last's, while what the bound is for (a
+    # clock that counts a checkpoint's save or a start-up on top of the steps, or runs ahead of the wall clock) adds
+    # up over the steps.
+    resumed_lines = lines[killed_at:]
+    counted = resumed_lines[-1]["perf/training_seconds"] - resumed_lines[0]["perf/training_seconds"]
+    assert counted <= resumed_lines[-1]["time"] - resumed_lines[0]["time"] + 0.1
     assert {line["perf/cpu_cores"] for line in lines} == {os.cpu_count()}     # the machine it trained on
     # The checkpoints are the marks' and the last step's: the first step at or past each multiple of mark_s.
     marks, next_mark = [], mark_s
