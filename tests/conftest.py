@@ -13,7 +13,6 @@ anything over about 5 s) and `slurm` (starts a real Slurm cluster: tests/slurm_c
 The modules of RUN_LAST run after the others (`pytest_collection_modifyitems`).
 """
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -113,9 +112,7 @@ def digits_dml(tmp_path_factory) -> Path:
 @pytest.fixture
 def free_port() -> int:
     """A free TCP port on localhost for a test's own process group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return forked_runs.free_port()
 
 
 def wait_for(condition, process, what: str = "the awaited condition", timeout: float = 240,

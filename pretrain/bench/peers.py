@@ -121,6 +121,8 @@ class PeerDINO(PeerMethod):
         from lightly.transforms import DINOTransform
         from lightly.utils.scheduler import cosine_schedule
 
+        from pretrain.methods.dino import teacher_temp_schedule, value_at     # the recipe's schedule, per step
+
         method, model, (first, second) = cfg.method, cfg.model, cfg.data.views[:2]
         transform = DINOTransform(
             global_crop_size=first.size, global_crop_scale=tuple(first.scale), n_local_views=0, hf_prob=first.flip_p,
@@ -145,17 +147,15 @@ class PeerDINO(PeerMethod):
         self.clip = float(cfg.optim.grad_clip_per_parameter)
         self.momentum = [cosine_schedule(step, steps, method.momentum_teacher, 1.0) for step in range(steps)]
         self.update_momentum, self.backbone, self.head = update_momentum, backbone, head
-        warmup = round(method.warmup_teacher_temp_epochs * steps_per_epoch)
-        self.teacher_temp = [method.teacher_temp if step >= warmup else method.warmup_teacher_temp
-                             + (method.teacher_temp - method.warmup_teacher_temp) * step / warmup
-                             for step in range(steps)]
+        self.teacher_temp = teacher_temp_schedule(method.warmup_teacher_temp, method.teacher_temp,
+                                                  round(method.warmup_teacher_temp_epochs * steps_per_epoch), steps)
         self.step = 0
 
         def loss(views: list[torch.Tensor]) -> torch.Tensor:
             with torch.no_grad():
                 teacher = [self.teacher["head"](self.teacher["backbone"](view)) for view in views]
             student = [head(backbone(view)) for view in views]
-            return criterion(teacher, student, teacher_temp=self.teacher_temp[self.step])
+            return criterion(teacher, student, teacher_temp=value_at(self.teacher_temp, self.step))
         super().__init__(transform, torch.nn.ModuleDict({"head": head}), loss)
 
     def after_backward(self, step: int) -> None:
