@@ -34,7 +34,7 @@ forked_runs.context()
 # models side by side. `make test` runs the real-Slurm tests beside the others for their first 7 minutes or so;
 # a rank descheduled by them holds up its partner at each collective, so these ran up to 1.4x their time alone
 # there (the distributed-equality fixture 88 s against 63). Run last, they meet the Slurm jobs less.
-RUN_LAST = {"test_checkpoint", "test_dino", "test_distributed_equality", "test_engine_step", "test_gradient_edits",
+RUN_LAST = {"test_checkpoint", "test_dino_runs", "test_distributed_equality", "test_engine_step", "test_gradient_edits",
             "test_smoco"}
 
 

@@ -1,6 +1,7 @@
-"""Backbone exports and TensorBoard scalars for the evaluation tests (test_eval, test_retrieval): a random
-ResNet-18 with the small stem, an export written in the format of `pretrain.export.export_backbone`, the
-scalars of a run's tb/ folder, and a small or read-only filesystem to write to (`small_filesystem`)."""
+"""What the evaluation tests (test_eval*.py, test_retrieval.py) share: a random ResNet-18 with the
+small stem, an export written in the format of `pretrain.export.export_backbone`, the scalars of a run's tb/
+folder, a small or read-only filesystem to write to (`small_filesystem`), and in-memory images to stand in for
+the image loader (`planted_image_dataset`, `shuffled_batches`)."""
 from __future__ import annotations
 
 import contextlib
@@ -67,3 +68,21 @@ def small_filesystem(mount_point: Path, size: str, read_only: bool = False) -> I
         holder.kill()
         holder.wait(timeout=scaled(60))
         holder.stdout.close()
+
+
+def shuffled_batches(images, labels, batch_size, seed=0):
+    """An in-memory stand-in for the image loader: `(images, labels, indices)` in a shuffled order."""
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))
+    return [(images[i], labels[i], i) for i in order.split(batch_size)]
+
+
+def planted_image_dataset(count: int, seed: int, side: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images whose class is a bright quadrant: easy for any encoder, raw pixels included."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.arange(count) % 4
+    images = 0.1 * torch.randn(count, 3, side, side, generator=generator)
+    half = side // 2
+    for quadrant in range(4):
+        row, col = divmod(quadrant, 2)
+        images[labels == quadrant, :, half * row:half * row + half, half * col:half * col + half] += 2.0
+    return images, labels

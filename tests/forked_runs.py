@@ -38,7 +38,7 @@ from tests.machine_speed import scaled
 MODULES = {"pretrain": "pretrain.__main__", "eval": "eval.__main__", "transfer": "transfer.__main__",
            "launch": "launch.__main__", "pretrain.bench": "pretrain.bench", "pretrain.data": "pretrain.data.__main__",
            # the tests' own multi-process workers
-           **{f"tests.{name}": f"tests.{name}" for name in ("test_distributed_equality", "test_dino", "test_smoco",
+           **{f"tests.{name}": f"tests.{name}" for name in ("test_distributed_equality", "test_dino_runs", "test_smoco",
                                                      "test_engine_step", "test_gradient_edits", "test_online_monitors")}}
 
 
