@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -252,3 +253,15 @@ def run(module: str, argv: list, expect: int | None = 0, timeout: float = 300, e
     if expect is not None:
         assert process.returncode == expect, process.stderr[-3000:]
     return process
+
+
+def run_rank_workers(module: str, out_dir: Path, processes: int = 2, timeout: float = 300) -> list[dict]:
+    """A test's own worker `python -m MODULE OUT_DIR` on `processes` ranks (as torchrun's workers), each rank
+    writing what it measured with `write_rank_results`; their dicts, in rank order."""
+    run(module, [str(out_dir)], timeout=timeout, processes=processes)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def write_rank_results(out_dir: Path, rank: int, results: dict) -> None:
+    """A worker rank's measurements, for `run_rank_workers` to read back."""
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))

@@ -87,15 +87,13 @@ def two_process_worker(out_dir: Path) -> None:
     results["center_error"] = (method.center - expected).abs().max().item()
     local_only = 0.9 * 0.5 + 0.1 * batches[rank]["teacher"].mean(dim=(0, 1))
     results["center_if_local"] = (method.center - local_only).abs().max().item()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    forked_runs.write_rank_results(out_dir, rank, results)
     dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("dino_two_processes")
-    forked_runs.run("tests.test_dino_runs", [str(out)], timeout=300, processes=2)     # as torchrun's 2 workers
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return forked_runs.run_rank_workers("tests.test_dino_runs", tmp_path_factory.mktemp("dino_two_processes"))     # as torchrun's 2 workers
 
 
 @pytest.mark.slow

@@ -262,15 +262,13 @@ def two_process_worker(out_dir: Path) -> None:
     results["weighted_gathered"] = mean.item() / world
     results["weighted_one_process"] = one_process.item()
     results["weighted_local_only"] = method.per_sample(batches[rank], labels[rank], False).mean().item()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    forked_runs.write_rank_results(out_dir, rank, results)
     dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("smoco_two_processes")
-    forked_runs.run("tests.test_smoco", [str(out)], timeout=300, processes=2)    # as torchrun's 2 workers
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return forked_runs.run_rank_workers("tests.test_smoco", tmp_path_factory.mktemp("smoco_two_processes"))     # as torchrun's 2 workers
 
 
 @pytest.mark.slow
