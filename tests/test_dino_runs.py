@@ -93,7 +93,7 @@ def two_process_worker(out_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory) -> list[dict]:
-    return forked_runs.run_rank_workers("tests.test_dino_runs", tmp_path_factory.mktemp("dino_two_processes"))     # as torchrun's 2 workers
+    return forked_runs.run_rank_workers("tests.test_dino_runs", tmp_path_factory.mktemp("dino_two_processes"))
 
 
 @pytest.mark.slow
