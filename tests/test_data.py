@@ -11,6 +11,7 @@ from pretrain.data.augment import augment_views, sample_crop_boxes
 from pretrain.data.loader import build_image_loader, build_view_loader
 from pretrain.data.views import ViewGroup, pair_iou
 from pretrain.data.writer import list_image_folder, write_image_folder
+from pretrain.runtime.batch_prefetch import prepared_one_ahead, tensors_in
 
 from tests.machine_speed import scaled
 
@@ -78,6 +79,21 @@ def test_stopping_an_ffcv_epoch_early_ends_its_decode_thread(ffcv_loader, batche
     closer.join(timeout=scaled(60))
     assert not closer.is_alive(), "closing an FFCV epoch early hung"
     assert [t for t in threading.enumerate() if isinstance(t, EpochIterator)] == []
+
+
+def test_off_cuda_the_loop_reads_the_loaders_own_batches(ffcv_loader):
+    """The loop's next-batch preparation on a side CUDA stream (pretrain/runtime/batch_prefetch.py) hands a CPU's (or
+    meta's) epoch through untouched, the same generator: a CPU run's batches, resume and timing are those of before.
+    On CUDA it marks every tensor of a batch for the step's stream: the walk finds each of a ViewBatch's, once.
+    (Its CUDA half: tests/gpu, the same batches as without it.)"""
+    epoch = ffcv_loader.epoch(0)
+    assert prepared_one_ahead(epoch, torch.device("cpu")) is epoch
+    assert prepared_one_ahead(epoch, torch.device("meta")) is epoch
+    batch = next(epoch)
+    epoch.close()
+    found = [id(tensor) for tensor in tensors_in(batch)]
+    assert sorted(found) == sorted(id(t) for t in [*batch.views, *batch.boxes, batch.labels, batch.indices])
+    assert len(found) == 2 + 2 + 2                           # GROUPS: two groups of views and boxes
 
 
 def test_ffcv_loader_yields_n_views_with_valid_boxes_and_matching_labels(ffcv_loader, dataset):

@@ -58,6 +58,7 @@ from torch.profiler import record_function
 from pretrain.runtime.checkpoint import Checkpointer, run_layout, timed_step_of_checkpoint
 from pretrain.runtime.compute_budget import (PFLOP, SCHEDULE_RECORD, counted_step_flops, record_schedule,
                                              schedule_length, timed_step_seconds)
+from pretrain.runtime.batch_prefetch import prepared_one_ahead
 from pretrain.runtime.bf16_support import bf16_is_native, emulated_bf16_warning
 from pretrain.runtime.cpu_threads import configure_threads
 from pretrain.runtime.distributed import finite_on_every_rank, init_distributed, with_sync_batchnorm
@@ -165,8 +166,10 @@ def train_one_epoch(run: Run) -> None:
     run's (its last step, its time budget); a stop signal saves a checkpoint and raises StopRequested."""
     options, schedules = run.options, run.schedules
     run.window = LogWindow()
-    # closing(): FFCV's decode thread is stopped and joined when the loop is left early
-    with closing(run.loader.epoch(run.epoch, start_batch=run.batch_in_epoch)) as batches:
+    # closing(): FFCV's decode thread is stopped and joined when the loop is left early; on a GPU the next batch is
+    # copied and augmented on a side stream while the step trains (pretrain/runtime/batch_prefetch.py)
+    epoch_batches = run.loader.epoch(run.epoch, start_batch=run.batch_in_epoch)
+    with closing(prepared_one_ahead(epoch_batches, run.device)) as batches:
         for _ in range(run.batch_in_epoch // options.grad_accum, run.steps_per_epoch):
             set_schedule_values(run.optimizer, schedules.lr[run.step], schedules.weight_decay[run.step],
                                 schedules.peak_lr, run.step)

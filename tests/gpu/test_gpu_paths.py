@@ -4,6 +4,7 @@
 - the device-side augmentation on CUDA equal to the CPU path for the same random draws;
 - hard view selection on CUDA choosing the views the CPU chooses for the same inputs and weights;
 - DINO's EMA teacher updated from the fp32 master weights under bf16 on CUDA;
+- the next batch prepared on a side stream (pretrain/runtime/batch_prefetch.py): the loader's own batches, exactly;
 - SyncBatchNorm over NCCL, where two GPUs exist: the running statistics of two processes' uneven batches (6 and 10
   images) equal one BatchNorm's over both batches; on one GPU (NCCL refuses two ranks on one GPU) the test is the
   one-GPU smoke run its name says: a 1-process NCCL run of the engine, finite, at the right step.
@@ -109,6 +110,36 @@ def test_cuda_augmentation_draws_the_cpu_views(monkeypatch):
     assert (cpu_small - cuda_small).abs().max() < 1e-3
     difference = (cpu_large - cuda_large).abs() * torch.tensor(std).view(1, 1, 3, 1, 1)
     assert difference.mean() < 0.02                                         # in [0, 1] pixel units (CPU: 0.009)
+
+
+def test_batches_prepared_on_a_side_stream_are_the_loaders_own(digits):
+    """The loop's prefetch copies and augments batch k+1 on a side stream while step k runs: the same kernels on the
+    same inputs, so the batches equal the loader's on the default stream exactly; a step that overwrites every batch
+    in place (a stand-in for the step's reads, on the default stream) does not change the next one; closing early
+    ends FFCV's decode thread."""
+    import threading
+
+    from ffcv.loader.epoch_iterator import EpochIterator
+
+    from pretrain.data.loader import build_view_loader
+    from pretrain.data.views import ViewGroup
+    from pretrain.runtime.batch_prefetch import prepared_one_ahead
+
+    groups = [ViewGroup(count=2, size=16), ViewGroup(count=4, size=8, blur_p=0.5)]
+    loader = build_view_loader(digits / "train.beton", groups, 64, canvas_size=16, num_workers=2, device=CUDA)
+    plain = [[v.clone() for v in batch.views] + [batch.indices.clone()] for batch in loader.epoch(1)]
+    prepared = []
+    for batch in prepared_one_ahead(loader.epoch(1), CUDA):
+        prepared.append([v.clone() for v in batch.views] + [batch.indices.clone()])
+        for view in batch.views:
+            view.mul_(0).add_(torch.randn_like(view).matmul(torch.randn(view.shape[-1], view.shape[-1], device=CUDA)))
+    assert len(prepared) == len(plain) == len(loader)
+    for a, b in zip(plain, prepared):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    early = prepared_one_ahead(loader.epoch(2), CUDA)
+    next(early)
+    early.close()
+    assert [t for t in threading.enumerate() if isinstance(t, EpochIterator)] == []
 
 
 @pytest.mark.parametrize("config", METHOD_CONFIGS)
