@@ -201,8 +201,9 @@ def write_results(args: argparse.Namespace, rows: list[Row], runs: dict[tuple[st
         return 1
     stamp, commit = made_by(f"python -m launch {shlex.join(args.argv)}")     # the command and the commit
     if not_finished:
-        stamp += (f" A partial table: {len(not_finished)} runs of the file have not finished and are not in it "
-                  f"({', '.join(not_finished)}).")
+        unfinished = ("1 run of the file has not finished and is" if len(not_finished) == 1
+                      else f"{len(not_finished)} runs of the file have not finished and are")
+        stamp += f" A partial table: {unfinished} not in it ({', '.join(not_finished)})."
     mixed = compare_training_code(code)
     paired = paired_differences(entries, comparisons)
     table = markdown(entries, stamp, paired, mixed.warnings)
