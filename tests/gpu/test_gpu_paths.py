@@ -1,8 +1,10 @@
 """What only a CUDA GPU can check (`make gpu-check`, which also prints `python -m pretrain.bench gpu`):
 
-- a bf16 training step (autocast over fp32 master weights) within 10% of the fp32 step, for every method;
+- a bf16 training step (autocast over fp32 master weights) within bf16's rounding of the fp32 step (10%: the CPU's
+  bf16 measured, in the test), for every method;
 - the device-side augmentation on CUDA equal to the CPU path for the same random draws;
-- hard view selection on CUDA choosing the views the CPU chooses for the same inputs and weights;
+- hard view selection on CUDA scoring the candidates as the CPU does (within TF32's rounding) and choosing the views
+  the CPU chooses wherever two candidates are not tied at that precision;
 - DINO's EMA teacher updated from the fp32 master weights under bf16 on CUDA;
 - the next batch prepared on a side stream (pretrain/runtime/batch_prefetch.py): the loader's own batches, exactly;
 - SyncBatchNorm over NCCL, where two GPUs exist: the running statistics of two processes' uneven batches (6 and 10
@@ -36,6 +38,12 @@ def process_group():
 
 @pytest.mark.parametrize("config", METHOD_CONFIGS)
 def test_bf16_step_is_the_fp32_step_within_bf16_rounding(config):
+    """The layers compute in bf16 under bf16 (fp32 masters), in fp32 under fp32, and the losses agree to the rounding
+    bf16 makes: the same step under the CPU's bf16 autocast (the AVX-512-BF16 EPYC, seeds 0-2 of every method,
+    2026-11-29) differed from fp32 by up to 8% (the balanced loss: 0.10 at 1.26; SimCLR, DINO, SupCon up to 2.5%)
+    and, at SimSiam's losses of about 0.04, by up to 0.004. bf16 keeps 8 bits of mantissa on either device, so the
+    bound is that: 10% of the loss (the largest relative difference with a quarter more room), or 0.02 absolute
+    where the loss is small (5 times SimSiam's largest)."""
     from pretrain.config import load_config
     from pretrain.data.views import ViewBatch
     from pretrain.methods import build_method
@@ -154,14 +162,26 @@ def test_selection_on_cuda_chooses_the_cpu_views(config):
     cpu = build_method(cfg).train()
     cuda = copy.deepcopy(cpu).to(CUDA)
     views, boxes, labels = views_and_boxes(cfg, torch.Generator().manual_seed(3))
-    chosen = {}
+    chosen, scores = {}, {}
     for name, method, device in (("cpu", cpu, "cpu"), ("cuda", cuda, CUDA)):
         selection = select_hard_views(method, method, [v.to(device) for v in views], [b.to(device) for b in boxes],
                                       labels.to(device), method.train_counts, max_candidates=cfg.hvs.max_candidates,
                                       rng=random.Random(0))
-        chosen[name] = selection.chosen.cpu()
-    # Ties aside (a margin below float rounding), the same candidate per sample.
-    assert (chosen["cpu"] == chosen["cuda"]).float().mean() > 0.95
+        chosen[name], scores[name] = selection.chosen.cpu(), selection.scores.float().cpu()
+    # The scores: fp32 on both devices, but cuDNN's convolutions round their operands to TF32 (10 bits of mantissa,
+    # 2^-11 = 5e-4 relative each; torch.backends.cudnn.allow_tf32 is on by default, and Hardview leaves it so) through
+    # the backbone's 20 convolutions: at most about 20 x 5e-4 = 1e-2 of the scores' scale.
+    discrepancy = (scores["cpu"] - scores["cuda"]).abs().max()
+    assert discrepancy <= 1e-2 * scores["cpu"].abs().max()
+    # The picks: each device trains on the highest-scored candidate of its own scores, so where they part, the CPU's
+    # scores of the two candidates lie within twice the discrepancy (a tie at this precision), and nowhere else.
+    picks = {name: scores[name].argmax(1) for name in scores}
+    same_pick = picks["cpu"] == picks["cuda"]
+    assert torch.equal(same_pick, (chosen["cpu"] == chosen["cuda"]).all(1))
+    cpu_scores = scores["cpu"]
+    margin = cpu_scores.gather(1, picks["cpu"][:, None]) - cpu_scores.gather(1, picks["cuda"][:, None])
+    assert (margin[~same_pick] <= 2 * discrepancy).all()
+    print(json.dumps({"config": config, "same_pick": same_pick.float().mean().item(), "discrepancy": discrepancy.item()}))
 
 
 def test_dino_teacher_is_updated_from_the_fp32_masters_under_bf16():
