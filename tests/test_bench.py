@@ -38,6 +38,25 @@ def test_bench_commands_run_and_write_their_tables(tmp_path):
     assert "forkserver / fork, per round: median" in workers.stdout
 
 
+
+def test_bench_storage_cuts_the_same_crops_from_every_stored_form(tmp_path):
+    """`bench storage` compares each stored form's views with the same crops of the folder's JPEGs: raw pixels at
+    the folder's own size must give identical views (the boxes line up, the padded canvas's extent is honoured),
+    and a 96 px store finite PSNRs with more of its 224 px views upsampled."""
+    forked_runs.run("pretrain.bench", ["storage", "--photos", "generated", "--images", "8", "--batch-size", "4",
+                                       "--workers", "1", "--epochs", "1", "--rounds", "1", "--views-per-group", "2",
+                                       "--stores", "0:raw", "96:90", "--data-dir", tmp_path / "data",
+                                       "--out", tmp_path / "storage.json"])
+    raw, small = json.loads((tmp_path / "storage.json").read_text())["rows"]
+    assert [raw["store"], small["store"]] == ["0:raw", "96:90"] and raw["bytes_per_image"] > small["bytes_per_image"]
+    assert len(raw["views"]) == 2 and all(v["views"] == 16 for v in raw["views"].values())     # 224 and 96 px views
+    for group, views in raw["views"].items():
+        assert views["psnr_db_median"] is None and views["psnr_db_p10"] is None, group      # None: identical
+        assert small["views"][group]["psnr_db_p10"] is not None
+    assert small["views"]["224 px, scale 0.4-1.0"]["upsampled_share"] == 1.0
+    assert raw["views"]["224 px, scale 0.4-1.0"]["upsampled_share"] < 1.0
+    assert raw["host_ms_per_image"]["median"] > 0
+
 def test_the_train_benchmarks_overrides_reach_every_table_it_times():
     """`train --override engine.precision=bf16` used to reach the images/s table only: the split by phase, the
     2-process and the contention rows timed the split case without it (fp32), under the same heading."""

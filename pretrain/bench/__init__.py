@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|gpu-check|peers|train|precision|workers [options]`. Each prints a table and writes JSON.
+"""Benchmarks: `python -m pretrain.bench loader|hvs|gpu|gpu-check|peers|train|precision|storage|workers [options]`. Each prints a table and writes JSON.
 
 `loader` measures images/s of the FFCV N-view loader against the torchvision DataLoader path on the same
 64 px JPEGs (an image folder and the .beton written from it), N = 2 and 4 views of 32 px, SimCLR recipe
@@ -16,8 +16,11 @@ runs it on 2 processes and beside busy ones.
 `precision` times the same ResNet-18 step in fp32 and under bf16 autocast in alternating rounds, on this CPU.
 `gpu-check` runs tests/gpu, `train` at ImageNet sizes and `gpu` in at most 8 minutes on a GPU (`--dry-run`: checks
 its parts on the CPU, in `make test`).
+`storage` weighs the stored forms of ImageNet-sized photographs (`pretrain.data write --max-side`, JPEG
+quality or raw): bytes per image, the GPU run's host time per image, and the PSNR of their views against the
+same crops of the originals.
 `workers` times an epoch of the torchvision backend's workers started from the forkserver against forked ones.
-One module per benchmark (loader, hvs, gpu, peers, train, precision, workers), each with its `add_<name>_command(commands)`, called in
+One module per benchmark (loader, hvs, gpu, peers, train, precision, storage, workers), each with its `add_<name>_command(commands)`, called in
 `build_parser`; images.py makes the images they read.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pretrain.bench.hvs import add_hvs_command
 from pretrain.bench.loader import add_loader_command
 from pretrain.bench.peers import add_peers_command
 from pretrain.bench.precision import add_precision_command
+from pretrain.bench.storage import add_storage_command
 from pretrain.bench.train import add_train_command
 from pretrain.bench.workers import add_workers_command
 from pretrain.runtime.argument_types import CommandLineParser
@@ -51,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_peers_command(commands)
     add_train_command(commands)
     add_precision_command(commands)
+    add_storage_command(commands)
     add_workers_command(commands)
     return parser
 

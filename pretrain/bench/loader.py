@@ -261,6 +261,17 @@ def run_loader_case(args: argparse.Namespace) -> dict:
             "largest_worker_rss_mb": round(workers)}
 
 
+def run_case_in_own_process(case: dict, batch_size: int, workers: int, epochs: int) -> dict:
+    """`run_loader_case` in a fresh Python process (`python -m pretrain.bench loader-case`): the case's memory and
+    numba compilation are its own, and no earlier case's threads or page faults are counted. Returns its row."""
+    finished = subprocess.run([sys.executable, "-m", "pretrain.bench", "loader-case", "--case", json.dumps(case),
+                               "--batch-size", str(batch_size), "--workers", str(workers), "--epochs", str(epochs)],
+                              capture_output=True, text=True)
+    if finished.returncode:
+        raise SystemExit(f"error: the case {json.dumps(case)} failed:\n{finished.stderr[-3000:]}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
 def profile_views(beton: Path, groups: list, canvas: int, batch_size: int, workers: int) -> list[tuple[str, float]]:
     """Where a decode-once batch's time goes on this device: FFCV's decode to canvases, then the torch ops that
     draw the views (top operators by self CPU time), per batch."""
@@ -307,13 +318,8 @@ def run_imagenet_loader_benchmark(args: argparse.Namespace) -> dict:
     print(f"{described}\n1-minute load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for case in cases:
-        case = {**case, "beton": str(beton), "folder": str(folder)}
-        finished = subprocess.run([sys.executable, "-m", "pretrain.bench", "loader-case", "--case", json.dumps(case),
-                                   "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs",
-                                   str(args.epochs)], capture_output=True, text=True)
-        if finished.returncode:
-            raise SystemExit(f"error: the case {json.dumps(case)} failed:\n{finished.stderr[-3000:]}")
-        row = json.loads(finished.stdout.strip().splitlines()[-1])
+        row = run_case_in_own_process({**case, "beton": str(beton), "folder": str(folder)}, args.batch_size,
+                                      args.workers, args.epochs)
         rows.append(row)
         where = "host side of a GPU run" if row["device"] == "meta" else "on the CPU"
         print(f"  {row['recipe']:<22}{row['loader']:<17}canvas={str(row['canvas']):<5}{where:<24}"
