@@ -115,6 +115,22 @@ def test_peers_reads_back_a_finished_run_only_when_it_trained_the_same_recipe(tm
         check_same_recipe(tmp_path, written, other_crops)
 
 
+def test_peers_gives_the_difference_to_the_peer_with_its_interval_and_the_speed_ratio_per_seed():
+    from pretrain.bench.peers import difference_table
+
+    def row(library, seed, knn, linear, rate):
+        return {"method": "simclr", "library": library, "seed": seed, "epoch": 1, "knn": knn, "linear": linear,
+                "images_per_s": rate}
+    rows = [row("hardview", 0, 81.0, 85.0, 600), row("lightly 1.6.0", 0, 80.0, 85.5, 500),
+            row("hardview", 1, 82.0, 84.0, 660), row("lightly 1.6.0", 1, 80.0, 84.5, 600),
+            row("hardview", 2, 80.0, 83.0, 700), row("lightly 1.6.0", 2, 80.0, 83.5, 500)]
+    # k-NN differences 1, 2, 0: mean +1.00, std 1, t(0.975, 2) = 4.303 -> +-2.48; linear all -0.5: no spread
+    table = difference_table(rows)
+    assert "| simclr | 1 | 3 | +1.00 [-1.48, +3.48], p = 0.23 | -0.50 [-0.50, -0.50], p = - | 1.20x (1.10-1.40) |" in table
+    one_seed = difference_table(rows[:2])
+    assert "+1.00 (one seed: no interval) | -0.50 (one seed: no interval) | 1.20x (1.20-1.20)" in one_seed
+
+
 def test_peers_scores_an_export_once_and_again_when_the_export_is_newer(tmp_path, monkeypatch):
     """A comparison run again reads back the results of exports already scored; an export written after its
     result (a run trained again) is scored again."""

@@ -355,7 +355,7 @@ def run_peers(args: argparse.Namespace) -> dict:
                                  "train_minutes": round(minutes, 2), "load_average_1min": os.getloadavg()[0]})
                     print(f"{method:<8}{library:<14}seed {seed} epoch {epoch}: k-NN {scores['knn']:.2f}%  linear "
                           f"{scores['linear']:.2f}%  {rows[-1]['images_per_s']:.0f} images/s", flush=True)
-    table = summary_table(rows)
+    table = summary_table(rows) + "\n\n" + difference_table(rows)
     print("\n" + table + "\n\nwhat still differs between the two sides:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
     return {"command": "peers", "epochs": args.epochs, "seeds": args.seeds, "lightly": version,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "rows": rows,
@@ -374,6 +374,34 @@ def summary_table(rows: list[dict]) -> str:
         group = [r for r in rows if (r["method"], r["library"], r["epoch"]) == (method, library, epoch)]
         lines.append(f"| {method} | {library} | {epoch} | {len(group)} | {cell([r['knn'] for r in group])} | "
                      f"{cell([r['linear'] for r in group])} | {np.median([r['images_per_s'] for r in group]):.0f} |")
+    return "\n".join(lines)
+
+
+def difference_table(rows: list[dict]) -> str:
+    """Markdown: per method and epoch, this project minus the peer over the seeds both ran (the verdict, with its
+    interval: `eval.statistics.paired_difference`'s mean, 95% t interval and paired t-test p), and this project's
+    images/s over the peer's per seed (each seed's two runs ran one after the other), median and range."""
+    from eval.statistics import paired_difference     # heavy: scipy, for this benchmark only
+
+    lines = ["| method | epoch | seeds | k-NN: hardview - peer, 95% CI | linear: hardview - peer, 95% CI | "
+             "images/s: hardview / peer, median (range) |", "| --- | --- | --- | --- | --- | --- |"]
+    for method, epoch in sorted({(r["method"], r["epoch"]) for r in rows}):
+        ours, peer = ({r["seed"]: r for r in rows if (r["method"], r["epoch"]) == (method, epoch)
+                       and (r["library"] == "hardview") == mine} for mine in (True, False))
+        seeds = sorted(set(ours) & set(peer))
+        cells = []
+        for metric in ("knn", "linear"):
+            if len(seeds) < 2:
+                cells.append(f"{ours[seeds[0]][metric] - peer[seeds[0]][metric]:+.2f} (one seed: no interval)"
+                             if seeds else "-")
+                continue
+            difference = paired_difference({s: ours[s][metric] for s in seeds}, {s: peer[s][metric] for s in seeds})
+            low, high = difference.interval
+            p_value = "-" if difference.p_value is None else f"{difference.p_value:.2f}"
+            cells.append(f"{difference.mean:+.2f} [{low:+.2f}, {high:+.2f}], p = {p_value}")
+        ratios = [ours[s]["images_per_s"] / peer[s]["images_per_s"] for s in seeds]
+        speed = f"{np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+        lines.append(f"| {method} | {epoch} | {len(seeds)} | {cells[0]} | {cells[1]} | {speed} |")
     return "\n".join(lines)
 
 

@@ -119,6 +119,7 @@ def run_storage_benchmark(args: argparse.Namespace) -> dict:
     folder, _, described = benchmark_images(work_dir, args.images, args.photos, args.photo_size, args.workers)
     betons = stored_betons(folder, args.stores, work_dir, args.workers)
     groups = imagenet_recipes()[args.recipe]
+    torch.set_num_threads(args.workers)            # as each timed case sets them (`run_loader_case`)
     machine = this_machine()
     print(f"{described}\n{machine_heading(machine)}\n1-minute load average before: {os.getloadavg()[0]:.2f}",
           flush=True)
