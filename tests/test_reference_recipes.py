@@ -240,3 +240,12 @@ def test_the_cifar_presets_write_their_32_px_images_raw_not_as_jpeg(config):
     subsamples its colour to 16 px. Every CIFAR preset's write commands say --write-mode raw, for train and val."""
     writes = [line for line in (CONFIGS / config).read_text().splitlines() if "python -m pretrain.data write " in line]
     assert len(writes) == 2 and all(line.rstrip().endswith("--write-mode raw") for line in writes), writes
+
+
+@pytest.mark.parametrize("config", sorted(path.name for path in CONFIGS.glob("*_imagenet_folder.yaml")))
+def test_the_imagenet_presets_keep_imagenets_typical_images_at_their_own_size(config):
+    """The presets said --max-side 320: 61-81% of DINO's 224 px global views were then upsampled from fewer
+    stored pixels than they have, where 512 px keeps ImageNet's typical (~400 x 350) images whole at 1.7-2.4 host
+    cores per GPU (`python -m pretrain.bench storage`, docs/benchmarks.md). Every ImageNet preset writes at 512."""
+    writes = [line for line in (CONFIGS / config).read_text().splitlines() if "python -m pretrain.data write " in line]
+    assert len(writes) == 1 and writes[0].rstrip().endswith("--max-side 512"), writes
