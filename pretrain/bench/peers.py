@@ -36,6 +36,7 @@ import torch
 import yaml
 from PIL import Image
 
+from pretrain.bench.machine import this_machine
 from pretrain.runtime.argument_types import non_negative_int, positive_int
 
 RECIPES = {   # the project's config and what the comparison sets on both sides
@@ -358,7 +359,8 @@ def run_peers(args: argparse.Namespace) -> dict:
     table = summary_table(rows) + "\n\n" + difference_table(rows)
     print("\n" + table + "\n\nwhat still differs between the two sides:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
     return {"command": "peers", "epochs": args.epochs, "seeds": args.seeds, "lightly": version,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "rows": rows,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "machine": this_machine(), "rows": rows,
             "table": table, "differences": DIFFERENCES}
 
 
