@@ -100,6 +100,7 @@ def view_fidelity(folder: Path, beton: Path, groups: list, views_per_group: int,
             crop_h = (boxes[:, 3] - boxes[:, 1]) * float(height)
             crop_w = (boxes[:, 2] - boxes[:, 0]) * float(width)
             upsampled[key] += int(((crop_h < group.size) | (crop_w < group.size)).sum())
+
     def decibels(values: list[float], percent: int) -> float | None:     # None: every such view identical (inf)
         value = float(np.percentile(values, percent, method="lower"))      # "lower": no inf - inf interpolated
         return None if value == float("inf") else value
