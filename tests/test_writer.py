@@ -424,3 +424,33 @@ def test_float_tiffs_are_scaled_from_0_1_or_skipped_by_name(tmp_path):
     report = write_image_folder(tmp_path / "images", tmp_path / "f.beton", write_mode="raw")
     assert report.written == 2 and [Path(path).name for path, _ in report.skipped] == ["other_range.tif"]
     assert "32-bit float image with values from 0 to 300" in report.skipped[0][1]
+
+
+def test_a_worker_error_is_raised_in_ffcvs_wait_not_wherever_a_signal_lands(tmp_path):
+    """A SIGCHLD handler raised the worker's error wherever the main thread happened to be, and an `except OSError`
+    there (ChildProcessError is one) or a garbage collector's finalizer swallowed it: FFCV then waited forever
+    (2026-11-29, a fresh clone's `make test` hung in the test above; one write in some 300 on a busy CPU). The check
+    now runs in FFCV's own wait, `ffcv.writer.sleep`, whose loop catches nothing. Here the write spends its time in
+    code that swallows OSErrors, as the handler's victims did, between short waits of FFCV's: the error must reach
+    the caller, naming the worker's exit, within a few of those waits."""
+    import multiprocessing
+
+    import ffcv.writer
+
+    from pretrain.data.writer_workers import run_watching_workers_and_disk
+
+    def write_that_swallows_os_errors_between_waits():
+        worker = multiprocessing.get_context("fork").Process(target=sys.exit, args=(3,))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)               # a signal handler's error raised here was lost
+            except OSError:
+                pass
+            ffcv.writer.sleep(0)               # FFCV's wait between two reads of its workers' progress
+
+    started = time.monotonic()
+    with pytest.raises(ChildProcessError, match=r"\(pid \d+\) ended with exit status 3 before the write"):
+        run_watching_workers_and_disk(write_that_swallows_os_errors_between_waits, tmp_path / "x.beton.partial", 1)
+    assert time.monotonic() - started < 5 and ffcv.writer.sleep is time.sleep     # FFCV's own wait back after

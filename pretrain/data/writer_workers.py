@@ -1,6 +1,6 @@
 """FFCV's writer workers, as `write_beton` runs them: killed with the thread that forked them (a write killed with
 SIGKILL leaves none running), and watched for an early end (an exception, a segfault, the OOM killer, a full disk),
-which FFCV's parent would otherwise wait for forever."""
+which FFCV's parent would otherwise wait for forever: checked after each nap of its wait, in the writing thread."""
 from __future__ import annotations
 
 import ctypes
@@ -44,53 +44,94 @@ def children_die_with_their_parent() -> Iterator[None]:
 
 
 def run_watching_workers_and_disk(write, tmp: Path, page_size: int) -> None:
-    """Run FFCV's `write()` in this thread while watching its worker processes. FFCV's parent waits for its workers'
-    progress without looking at them, so it would wait forever when a worker ends before the write is done (an
-    exception in the dataset, a segfault, the OOM killer, a full disk). A worker's end reaches this process as
-    SIGCHLD; the handler, run in this thread between two of FFCV's waits, terminates the other workers and raises:
+    """Run FFCV's `write()` while watching its worker processes. FFCV's parent waits for its workers' progress
+    without looking at them (`ffcv.writer`'s loop: read their count of samples done, `sleep(0.1)`, read again), so it
+    would wait forever when a worker ends before the write is done (an exception in the dataset, a segfault, the
+    OOM killer, a full disk). After each of those naps (`checks_in_ffcvs_wait`) this looks at the process's children
+    and, when a worker of this write has ended with an error, or every worker had already ended two looks before
+    (their work was all counted then: the loop reads the count and naps once more at most, so it waits for a worker
+    reaped unseen), terminates the others
+    and raises from inside FFCV's loop, which catches nothing, again at every later nap:
     - OSError (ENOSPC) when the filesystem has no room for another page (the workers die on "no space left");
     - else a ChildProcessError naming the worker's exit (its traceback, if any, is above on stderr).
     Either way the caller removes the partial file. FFCV's own errors are raised as they are.
 
-    No thread watches: FFCV forks its workers from this thread while no thread of ours runs (a worker forked beside
-    another thread inherits whatever that thread held at the moment of the fork, and numba's TBB pool is fork-safe
-    only from the main thread). Called from a thread other than the main one (where no signal handler can be set),
-    FFCV writes unwatched."""
-    if threading.current_thread() is not threading.main_thread():
-        write()
-        return
+    Synchronous, in the thread that writes: no signal handler and no thread of ours. A SIGCHLD handler did this until
+    2026-11-29; it raised wherever the main thread happened to be, and an `except OSError` on the way (its own /proc
+    reads, entered again by a second worker's signal) or a garbage collector's finalizer swallowed the error, leaving
+    FFCV waiting for workers that were gone (one write in some 300 on a busy CPU; a fresh clone's `make test` hung).
+    And no thread beside FFCV's fork: a worker forked beside another thread inherits whatever that thread held at
+    the moment of the fork (numba's TBB pool is fork-safe only from the main thread)."""
     children_before = set(child_processes())
-    raised: list[BaseException] = []            # what the handler raised: it is told without FFCV's frames
+    seen: set[int] = set()
+    checks_since_all_ended = [0]
+    raised: list[BaseException] = []
 
-    def on_a_child_ending(signum, frame) -> None:
-        ended = {pid: status for pid, status in child_processes(settled=True).items()
-                 if pid not in children_before and status not in (None, 0)}
-        if not ended or raised:     # raised: the workers this handler stops end too, and signal again
+    def check_workers() -> None:
+        if raised:                  # raised before and caught on the way: FFCV waits on, so again
+            raise raised[0]
+        children = {pid: status for pid, status in child_processes().items() if pid not in children_before}
+        seen.update(children)
+        failed = {pid: status for pid, status in children.items() if status not in (None, 0)}
+        all_ended = bool(seen) and all(children.get(pid, 0) is not None for pid in seen)     # gone: reaped
+        checks_since_all_ended[0] = checks_since_all_ended[0] + 1 if all_ended else 0
+        # FFCV's loop naps once more after reading the last count: a third look with every worker ended is a stall
+        if not failed and checks_since_all_ended[0] < 3:
             return
         if shutil.disk_usage(tmp.parent).free < page_size:
             raised.append(OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
                                                 f"({shutil.disk_usage(tmp.parent).free} bytes free): free some "
                                                 "space, or write the .beton elsewhere (--out)"))
-        else:
-            pid, status = next(iter(ended.items()))
+        elif failed:
+            pid, status = next(iter(failed.items()))
             code = os.waitstatus_to_exitcode(status)
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             raised.append(ChildProcessError(f"an FFCV writer worker (pid {pid}) ended with {how} before the write "
                                             f"to {tmp.parent} was done (its error, if it printed one, is above); "
                                             "nothing was written: run the write again"))
+        else:
+            raised.append(ChildProcessError(f"FFCV's writer workers (pids {', '.join(map(str, sorted(seen)))}) all "
+                                            f"ended before the write to {tmp.parent} was done (one ended early and "
+                                            "was reaped before its exit could be read; its error, if it printed "
+                                            "one, is above); nothing was written: run the write again"))
         stop_workers(children_before)
         raise raised[0]
 
-    previous = signal.signal(signal.SIGCHLD, on_a_child_ending)
+    with checks_in_ffcvs_wait(check_workers):
+        try:
+            write()
+        except (OSError, ChildProcessError) as error:
+            if not raised or error is not raised[0]:
+                raise
+            # without FFCV's frames, which hold its progress bar: it closes (prints) now, not after the error is told
+            raise error.with_traceback(None) from None
+
+
+_CHECKS: dict[int, object] = {}       # thread id -> the check of the write that thread runs
+
+
+def _sleep_then_check(seconds: float) -> None:
+    time.sleep(seconds)
+    check = _CHECKS.get(threading.get_ident())
+    if check is not None:
+        check()
+
+
+@contextmanager
+def checks_in_ffcvs_wait(check) -> Iterator[None]:
+    """While inside, FFCV's writer calls `check()` after each nap of its wait for the workers (`ffcv.writer`'s
+    module-level `sleep`, the only hook its loop offers), in the thread that writes; a write in another thread keeps
+    its own check. Outside, `ffcv.writer.sleep` is `time.sleep` again."""
+    import ffcv.writer
+
+    _CHECKS[threading.get_ident()] = check
+    ffcv.writer.sleep = _sleep_then_check
     try:
-        write()
-    except (OSError, ChildProcessError) as error:
-        if error not in raised:
-            raise
-        # without FFCV's frames, which hold its progress bar: it closes (prints) now, not after the error is told
-        raise error.with_traceback(None) from None
+        yield
     finally:
-        signal.signal(signal.SIGCHLD, previous)
+        del _CHECKS[threading.get_ident()]
+        if not _CHECKS:
+            ffcv.writer.sleep = time.sleep
 
 
 def stop_workers(children_before: set[int]) -> None:
@@ -103,24 +144,14 @@ def stop_workers(children_before: set[int]) -> None:
         worker.join(5)
 
 
-PF_EXITING = 0x4        # /proc/PID/stat's flags (proc(5), field 9): in do_exit, not yet a zombie
-
-
-def child_processes(settled: bool = False) -> dict[int, int | None]:
-    """This process's children (Linux): pid -> None while it runs, its wait status once it has ended and is not
-    yet reaped (a zombie: read from /proc without reaping it, so multiprocessing still joins it). `settled`: first
-    wait (up to 1 s) for exiting children to become zombies: the kernel sends SIGCHLD before it marks one (exit_notify),
-    and a handler that looked once found the killed worker running and left FFCV waiting (a test hung, 2026-11-28)."""
-    deadline = time.monotonic() + 1.0
-    while True:
-        children, exiting = {}, False
-        for stat in child_stats():
-            fields = stat.rsplit(")", 1)[1].split()
-            children[int(stat.split()[0])] = int(fields[49]) if fields[0] == "Z" else None   # proc(5): (52) exit_code
-            exiting |= fields[0] != "Z" and bool(int(fields[6]) & PF_EXITING)
-        if not (settled and exiting) or time.monotonic() > deadline:
-            return children
-        time.sleep(0.001)
+def child_processes() -> dict[int, int | None]:
+    """This process's children (Linux): pid -> None while it runs (or is exiting), its wait status once it has ended
+    and is not yet reaped (a zombie: read from /proc without reaping it, so multiprocessing still joins it)."""
+    children = {}
+    for stat in child_stats():
+        fields = stat.rsplit(")", 1)[1].split()
+        children[int(stat.split()[0])] = int(fields[49]) if fields[0] == "Z" else None   # proc(5): (52) exit_code
+    return children
 
 
 def child_stats() -> Iterator[str]:
