@@ -108,21 +108,24 @@ def photograph_folder(root: Path, count: int, source: Path, size: str) -> Path:
     return root
 
 
+def benchmark_folder(work_dir: Path, count: int, photos: str, size: str) -> tuple[Path, str]:
+    """(image folder, description) of the ImageNet-sized images: real photographs from `photos` (a folder) when it
+    holds any, else (or with `photos` = "generated") the generated ~400 x 350 px set."""
+    if photos != "generated" and Path(photos).is_dir():
+        folder = photograph_folder(work_dir / f"photographs-{size}-{count}", count, Path(photos), size)
+        return folder, f"{count} JPEGs ~{size.replace('x', ' x ')} px q90 cut from the photographs in {photos}"
+    if photos != "generated":
+        print(f"note: {photos} does not exist (`apt-get install mate-backgrounds` installs the photographs): "
+              "measuring on the generated images instead", flush=True)
+    return synthetic_photo_folder(work_dir / f"photos-{count}", count), f"{count} generated JPEGs ~400 x 350 px q90"
+
+
 def benchmark_images(work_dir: Path, count: int, photos: str, size: str, workers: int) -> tuple[Path, Path, str]:
-    """(image folder, .beton, description) of the ImageNet-sized images: real photographs from `photos` (a folder)
-    when it holds any, else (or with `photos` = "generated") the generated ~400 x 350 px set."""
+    """(image folder, .beton, description): `benchmark_folder`'s images and the .beton of them at their own size."""
     # heavy: cv2, for this benchmark only (see pretrain/bench/__init__.py)
     from pretrain.data.writer import write_image_folder
 
-    if photos != "generated" and Path(photos).is_dir():
-        folder = photograph_folder(work_dir / f"photographs-{size}-{count}", count, Path(photos), size)
-        described = f"{count} JPEGs ~{size.replace('x', ' x ')} px q90 cut from the photographs in {photos}"
-    else:
-        if photos != "generated":
-            print(f"note: {photos} does not exist (`apt-get install mate-backgrounds` installs the photographs): "
-                  "measuring on the generated images instead", flush=True)
-        folder = synthetic_photo_folder(work_dir / f"photos-{count}", count)
-        described = f"{count} generated JPEGs ~400 x 350 px q90"
+    folder, described = benchmark_folder(work_dir, count, photos, size)
     beton = folder.with_suffix(".beton")
     if not beton.exists():          # stored at their own size (the writer's default would cap the longer side at 512)
         write_image_folder(folder, beton, workers=workers, max_side=None)

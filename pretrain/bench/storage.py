@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.bench.images import PHOTO_SIZES, PHOTO_SOURCE, benchmark_images
+from pretrain.bench.images import PHOTO_SIZES, PHOTO_SOURCE, benchmark_folder
 from pretrain.bench.loader import GPU_FEED_RATE, imagenet_recipes, run_case_in_own_process
 from pretrain.bench.machine import machine_heading, this_machine
 from pretrain.bench.precision import median_and_range
@@ -105,10 +105,10 @@ def view_fidelity(folder: Path, beton: Path, groups: list, views_per_group: int,
         value = float(np.percentile(values, percent, method="lower"))      # "lower": no inf - inf interpolated
         return None if value == float("inf") else value
 
-    return {f"{size} px, scale {scale[0]}-{scale[1]}": {
+    return {f"{key[0]} px, scale {key[1][0]}-{key[1][1]}": {             # key: (size, scale, ratio, interpolation)
                 "psnr_db_median": decibels(psnr[key], 50), "psnr_db_p10": decibels(psnr[key], 10),
                 "upsampled_share": upsampled[key] / len(psnr[key]), "views": len(psnr[key])}
-            for key in distinct for size, scale in [key[:2]]}
+            for key in distinct}
 
 
 def decibels_text(value: float | None) -> str:
@@ -117,7 +117,7 @@ def decibels_text(value: float | None) -> str:
 
 def run_storage_benchmark(args: argparse.Namespace) -> dict:
     work_dir = Path(args.data_dir)
-    folder, _, described = benchmark_images(work_dir, args.images, args.photos, args.photo_size, args.workers)
+    folder, described = benchmark_folder(work_dir, args.images, args.photos, args.photo_size)
     betons = stored_betons(folder, args.stores, work_dir, args.workers)
     groups = imagenet_recipes()[args.recipe]
     torch.set_num_threads(args.workers)            # as each timed case sets them (`run_loader_case`)

@@ -50,8 +50,8 @@ def run_watching_workers_and_disk(write, tmp: Path, page_size: int) -> None:
     OOM killer, a full disk). After each of those naps (`checks_in_ffcvs_wait`) this looks at the process's children
     and, when a worker of this write has ended with an error, or every worker had already ended two looks before
     (their work was all counted then: the loop reads the count and naps once more at most, so it waits for a worker
-    reaped unseen), terminates the others
-    and raises from inside FFCV's loop, which catches nothing, again at every later nap:
+    reaped unseen), terminates the others and raises from inside FFCV's loop, which catches nothing, again at every
+    later nap:
     - OSError (ENOSPC) when the filesystem has no room for another page (the workers die on "no space left");
     - else a ChildProcessError naming the worker's exit (its traceback, if any, is above on stderr).
     Either way the caller removes the partial file. FFCV's own errors are raised as they are.
@@ -64,44 +64,45 @@ def run_watching_workers_and_disk(write, tmp: Path, page_size: int) -> None:
     the moment of the fork (numba's TBB pool is fork-safe only from the main thread)."""
     children_before = set(child_processes())
     seen: set[int] = set()
-    checks_since_all_ended = [0]
-    raised: list[BaseException] = []
+    looks_since_all_ended = 0
+    raised: OSError | None = None
 
     def check_workers() -> None:
-        if raised:                  # raised before and caught on the way: FFCV waits on, so again
-            raise raised[0]
+        nonlocal looks_since_all_ended, raised
+        if raised is not None:      # raised before and caught on the way: FFCV waits on, so again
+            raise raised
         children = {pid: status for pid, status in child_processes().items() if pid not in children_before}
         seen.update(children)
         failed = {pid: status for pid, status in children.items() if status not in (None, 0)}
         all_ended = bool(seen) and all(children.get(pid, 0) is not None for pid in seen)     # gone: reaped
-        checks_since_all_ended[0] = checks_since_all_ended[0] + 1 if all_ended else 0
+        looks_since_all_ended = looks_since_all_ended + 1 if all_ended else 0
         # FFCV's loop naps once more after reading the last count: a third look with every worker ended is a stall
-        if not failed and checks_since_all_ended[0] < 3:
+        if not failed and looks_since_all_ended < 3:
             return
         if shutil.disk_usage(tmp.parent).free < page_size:
-            raised.append(OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
-                                                f"({shutil.disk_usage(tmp.parent).free} bytes free): free some "
-                                                "space, or write the .beton elsewhere (--out)"))
+            raised = OSError(errno.ENOSPC, f"no space left on device while writing {tmp.parent} "
+                                           f"({shutil.disk_usage(tmp.parent).free} bytes free): free some space, "
+                                           "or write the .beton elsewhere (--out)")
         elif failed:
             pid, status = next(iter(failed.items()))
             code = os.waitstatus_to_exitcode(status)
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            raised.append(ChildProcessError(f"an FFCV writer worker (pid {pid}) ended with {how} before the write "
-                                            f"to {tmp.parent} was done (its error, if it printed one, is above); "
-                                            "nothing was written: run the write again"))
+            raised = ChildProcessError(f"an FFCV writer worker (pid {pid}) ended with {how} before the write to "
+                                       f"{tmp.parent} was done (its error, if it printed one, is above); nothing "
+                                       "was written: run the write again")
         else:
-            raised.append(ChildProcessError(f"FFCV's writer workers (pids {', '.join(map(str, sorted(seen)))}) all "
-                                            f"ended before the write to {tmp.parent} was done (one ended early and "
-                                            "was reaped before its exit could be read; its error, if it printed "
-                                            "one, is above); nothing was written: run the write again"))
+            raised = ChildProcessError(f"FFCV's writer workers (pids {', '.join(map(str, sorted(seen)))}) all ended "
+                                       f"before the write to {tmp.parent} was done (one ended early and was reaped "
+                                       "before its exit could be read; its error, if it printed one, is above); "
+                                       "nothing was written: run the write again")
         stop_workers(children_before)
-        raise raised[0]
+        raise raised
 
     with checks_in_ffcvs_wait(check_workers):
         try:
             write()
-        except (OSError, ChildProcessError) as error:
-            if not raised or error is not raised[0]:
+        except OSError as error:                     # ChildProcessError is one
+            if error is not raised:
                 raise
             # without FFCV's frames, which hold its progress bar: it closes (prints) now, not after the error is told
             raise error.with_traceback(None) from None
