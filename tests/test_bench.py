@@ -310,7 +310,10 @@ def test_the_gpu_checks_parts_parse_and_its_tests_collect_on_the_cpu(tmp_path, m
 
     assert gpu_check.dry_run(tmp_path) == {"command": "gpu-check", "dry_run": True,
                                            "parts": [name for name, _, _ in gpu_check.parts(tmp_path)]}
-    assert capsys.readouterr().out.count(": ok") == 4
+    assert capsys.readouterr().out.count(": ok") == 5
+    # the step against the plain loop for both of the models: SimCLR R50 (2 batches) and DINO ViT-S/16
+    assert [name.split(", ")[1] for name, _, _ in gpu_check.parts(tmp_path) if name.startswith("project step")] == [
+        "SimCLR R50 224 px", "SimCLR R50 224 px", "DINO ViT-S/16 2 x 224 + 8 x 96"]
     assert sum(limit for _, _, limit in gpu_check.parts(tmp_path)) <= gpu_check.LEASE_SECONDS == 480
     rotten = [(name, [*command[:-2], "--no-such-option"], limit) for name, command, limit in gpu_check.parts(tmp_path)]
     monkeypatch.setattr(gpu_check, "parts", lambda out_dir: rotten[1:])

@@ -53,11 +53,13 @@ from pretrain.runtime.distributed import init_distributed, release_distributed
 FASHION_MNIST = ["configs/pretrain/simclr_fashion_mnist.yaml", "configs/pretrain/simsiam_fashion_mnist.yaml",
                  "configs/pretrain/dino_fashion_mnist.yaml", "configs/pretrain/tcl_fashion_mnist.yaml"]
 IMAGENET_CASE = ("configs/pretrain/simclr_imagenet_folder.yaml", ["data.batch_size=8"])
+DINO_VIT_CASE = ("configs/pretrain/dino_vit_small_imagenet_folder.yaml", ["data.batch_size=8"])
 
 
 def cases(imagenet: bool) -> list[tuple[str, str, list[str]]]:
     """(name, config, overrides): each Fashion-MNIST config without and with selection (its own hvs.num_views),
-    and, with `imagenet`, SimCLR ResNet-50 at 224 px, batch 8, without and with selection (4 views)."""
+    and, with `imagenet`, SimCLR ResNet-50 at 224 px, batch 8, without and with selection (4 views), and DINO's
+    ViT-S/16 preset with its multi-crop views (2 x 224 + 8 x 96), batch 8."""
     rows = []
     for config in FASHION_MNIST:
         method = Path(config).stem.replace("_fashion_mnist", "")
@@ -65,7 +67,8 @@ def cases(imagenet: bool) -> list[tuple[str, str, list[str]]]:
     if imagenet:
         config, overrides = IMAGENET_CASE
         rows += [("simclr R50 224 px", config, overrides),
-                 ("simclr R50 224 px HVS", config, [*overrides, "hvs.enabled=true", "hvs.num_views=[4]"])]
+                 ("simclr R50 224 px HVS", config, [*overrides, "hvs.enabled=true", "hvs.num_views=[4]"]),
+                 ("dino ViT-S/16 2x224+8x96", *DINO_VIT_CASE)]
     return rows
 
 
@@ -465,7 +468,8 @@ def add_train_command(commands) -> None:
                         help="rounds per case, each timing the project and the plain loop in processes of their own, "
                              "the order alternating; the table quotes the rounds' median and range (default: 5)")
     parser.add_argument("--imagenet", action="store_true",
-                        help="also SimCLR ResNet-50 at 224 px, batch 8 (about a minute more per variant)")
+                        help="also SimCLR ResNet-50 at 224 px and DINO ViT-S/16 multi-crop, batch 8 (on 2 CPU cores "
+                             "about a minute more per variant; --only R50 or --only ViT-S/16 times one)")
     parser.add_argument("--only", nargs="+", metavar="WORD", help="only the cases whose name holds one of these")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every case, e.g. engine.precision=bf16")
