@@ -8,7 +8,6 @@ release). The workers now start from multiprocessing's forkserver (pretrain/data
 a live thread, with a dataset whose first read in each worker runs the collector there, 20 times over.
 """
 import gc
-import os
 import threading
 
 import pytest
@@ -24,15 +23,14 @@ class CollectingImages(torch.utils.data.Dataset):
     that only a collection frees would run its destructor). Once is enough: the first collection frees whatever the
     worker inherited, and each one scans the forkserver's preloaded modules (0.1-0.3 s in the suite)."""
 
-    def __init__(self) -> None:
-        self.collected_in: set[int] = set()
+    collected = False           # each worker reads its own copy of the dataset
 
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, index: int):
-        if os.getpid() not in self.collected_in:
-            self.collected_in.add(os.getpid())
+        if not self.collected:
+            self.collected = True
             gc.collect()
         return torch.full((3, 4, 4), float(index)), index
 

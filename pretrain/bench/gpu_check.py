@@ -42,12 +42,14 @@ def gpu_tests_on() -> dict[str, str]:
 def parts(out_dir: Path) -> list[tuple[str, list[str], int]]:
     """(name, command, time limit in seconds) of each part, in order."""
     bench = [sys.executable, "-m", "pretrain.bench"]
-    simclr = ["train", "--imagenet", "--only", "R50", "--rounds", "3", "--steps", "10", "--warmup", "5",
-              "--split-case", "none"]
+
+    def train(only: str, rounds: int) -> list[str]:
+        return ["train", "--imagenet", "--only", only, "--rounds", str(rounds), "--steps", "10", "--warmup", "5",
+                "--split-case", "none"]
+
     # The limits are estimates: no GPU has run the check yet (each side of a round is a process of its own, its
     # start a fixed cost); DINO gets 2 rounds to fit the lease.
-    dino = ["train", "--imagenet", "--only", "ViT-S/16", "--rounds", "2", "--steps", "10", "--warmup", "5",
-            "--split-case", "none"]
+    simclr, dino = train("R50", 3), train("ViT-S/16", 2)
     return [("tests/gpu", [sys.executable, "-m", "pytest", "-q", "tests/gpu"], 100),
             ("project step / plain loop, SimCLR R50 224 px, batch 64",
              [*bench, *simclr, "--override", "data.batch_size=64", "engine.channels_last=true",
