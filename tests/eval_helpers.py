@@ -1,20 +1,15 @@
 """What the evaluation tests (test_eval*.py, test_retrieval.py) share: a random ResNet-18 with the
 small stem, an export written in the format of `pretrain.export.export_backbone`, the scalars of a run's tb/
-folder, a small or read-only filesystem to write to (`small_filesystem`), and in-memory images to stand in for
-the image loader (`planted_image_dataset`, `shuffled_batches`)."""
+folder, and in-memory images to stand in for the image loader (`planted_image_dataset`, `shuffled_batches`). (A
+small or read-only filesystem to write to: tests/run_helpers.py, `small_filesystem`.)"""
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from pretrain.models import create_backbone
 
-from tests.machine_speed import scaled
 
 RESNET18_SMALL = create_backbone("resnet18", "small_stride2")
 
@@ -47,27 +42,6 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     accumulator.Reload()
     return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
             for tag in accumulator.Tags()["scalars"]}
-
-
-@contextlib.contextmanager
-def small_filesystem(mount_point: Path, size: str, read_only: bool = False) -> Iterator[Path]:
-    """A real full or read-only filesystem that this test process writes to: a tmpfs of `size` (mount's size=, e.g.
-    "64k") at `mount_point`, mounted in the private mount namespace of a sleeping child (nothing leaks out of the
-    test), and reached from here through /proc/CHILD/root (yields that path). A command run in-process meets the
-    kernel's own ENOSPC / EROFS, without the seconds a new interpreter inside the namespace would cost."""
-    mount_point.mkdir(parents=True, exist_ok=True)
-    remount = f" && mount -o remount,ro {mount_point}" if read_only else ""
-    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
-        ["unshare", "--user", "--map-root-user", "--mount"]
-    holder = subprocess.Popen([*namespace, "bash", "-c", f"mount -t tmpfs -o size={size} tmpfs {mount_point}{remount}"
-                               " && echo mounted && exec sleep 600"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "mounted", "could not mount a tmpfs in a mount namespace"
-        yield Path(f"/proc/{holder.pid}/root{mount_point}")
-    finally:
-        holder.kill()
-        holder.wait(timeout=scaled(60))
-        holder.stdout.close()
 
 
 def shuffled_batches(images, labels, batch_size, seed=0):

@@ -1,13 +1,17 @@
 """Running the project's command lines as a user does, shared by the tests of whole runs (test_pretrain_run,
 test_finetune, test_launch_slurm): `run` / `start` a command (forked from a server that imported torch when it
 is a single-process `python -m pretrain|eval|...`: tests/forked_runs.py), SIGKILL a process tree as a node
-failure would, read a run's metrics and everything it ended with (compared at zero tolerance by `differences`), and
-the hand-computed learning rate of the 2-process digits run."""
+failure would, read a run's metrics and everything it ended with (compared at zero tolerance by `differences`), give
+a run a real full or read-only filesystem (`small_filesystem`, `remount`: the evaluation and writer tests use them
+too), and the hand-computed learning rate of the 2-process digits run."""
+import contextlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,6 +67,37 @@ def start(command: list[str]):
         module, argv, processes = project
         return forked_runs.start(module, argv, processes=processes)
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@contextlib.contextmanager
+def small_filesystem(mount_point: Path, size: str, read_only: bool = False) -> Iterator[Path]:
+    """A real full or read-only filesystem that this test process writes to: a tmpfs of `size` (mount's size=, e.g.
+    "64k") at `mount_point`, mounted in the private mount namespace of a sleeping child (nothing leaks out of the
+    test), and reached from here through /proc/CHILD/root (yields that path). A command run in-process, or forked
+    from the test's server (tests/forked_runs.py), meets the kernel's own ENOSPC / EROFS, without the seconds a new
+    interpreter inside the namespace would cost."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    read_only_option = f" && mount -o remount,ro {mount_point}" if read_only else ""
+    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
+        ["unshare", "--user", "--map-root-user", "--mount"]
+    holder = subprocess.Popen([*namespace, "bash", "-c", f"mount -t tmpfs -o size={size} tmpfs {mount_point}"
+                               f"{read_only_option} && echo mounted && exec sleep infinity"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mounted", "could not mount a tmpfs in a mount namespace"
+        yield Path(f"/proc/{holder.pid}/root{mount_point}")
+    finally:
+        holder.kill()
+        holder.wait(timeout=scaled(60))
+        holder.stdout.close()
+
+
+def remount(filesystem: Path, options: str) -> None:
+    """Remount a `small_filesystem` (the path it yielded) with mount's `options`: "size=400m" grows a full disk,
+    the files on it kept."""
+    pid, mount_point = re.fullmatch(r"/proc/(\d+)/root(/.*)", str(filesystem)).groups()
+    enter = ["nsenter", "--target", pid, "--mount", *([] if os.geteuid() == 0 else ["--user"])]
+    subprocess.run([*enter, "mount", "-o", f"remount,{options}", mount_point], check=True, timeout=scaled(30))
 
 
 def logged(run_dir: Path) -> list[dict]:

@@ -10,8 +10,6 @@ import pytest
 
 from pretrain.__main__ import main
 
-from tests.machine_speed import scaled
-
 ROOT = Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
 
@@ -159,23 +157,12 @@ def test_a_run_directory_where_no_folder_can_be_made_is_refused_in_one_line(digi
 
 
 @pytest.mark.slow
-def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_path, digits):
-    """A real read-only filesystem (a tmpfs mounted ro in a private mount namespace; chmod does not stop root):
-    the run's directory cannot be created there, said in one line with exit status 2, not a traceback."""
-    import os
-    import shlex
-    import subprocess
-    import sys
+def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_path, digits, capsys):
+    """A real read-only filesystem (a tmpfs mounted ro in a private mount namespace, tests/run_helpers.py:
+    small_filesystem; chmod does not stop root): the run's directory cannot be created there, said in one line with
+    exit status 2, not a traceback."""
+    from tests.run_helpers import small_filesystem
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    command = " ".join(shlex.quote(str(part)) for part in [
-        sys.executable, "-m", "pretrain", "--config", CONFIG, f"run_dir={disk / 'run'}",
-        f"data.train={digits / 'train.beton'}", f"data.val={digits / 'val.beton'}"])
-    script = f"mount -t tmpfs -o ro,size=1m tmpfs {disk}; {command} 2> {tmp_path}/err; echo $? > {tmp_path}/code"
-    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
-        ["unshare", "--user", "--map-root-user", "--mount"]
-    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=scaled(120))
-    err = (tmp_path / "err").read_text().strip()
-    assert (tmp_path / "code").read_text().strip() == "2" and len(err.splitlines()) == 1, err
-    assert f"error: cannot write {disk}: Read-only file system" in err
+    with small_filesystem(tmp_path / "disk", "1m", read_only=True) as disk:
+        refused(capsys, ["--config", CONFIG, f"run_dir={disk / 'run'}", f"data.train={digits / 'train.beton'}",
+                         f"data.val={digits / 'val.beton'}"], f"error: cannot write {disk}: Read-only file system")

@@ -11,8 +11,8 @@ import pytest
 
 from eval.__main__ import main
 from eval.inputs import EvaluationInputs
-from tests.eval_helpers import (RESNET18_SMALL, planted_image_dataset, shuffled_batches, small_filesystem,
-                                write_export)
+from tests.eval_helpers import RESNET18_SMALL, planted_image_dataset, shuffled_batches, write_export
+from tests.run_helpers import small_filesystem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_an_image_folder_has_an_identity_of_its_files(tmp_path):
 
 def test_a_full_disk_while_caching_features_is_one_line_and_leaves_no_partial_file(digits_export, tmp_path, capsys,
                                                                                    loads):
-    """A real full disk (tests/eval_helpers.py: small_filesystem): torch.save's "file write failed" traceback used
+    """A real full disk (tests/run_helpers.py: small_filesystem): torch.save's "file write failed" traceback used
     to end the k-NN, and a half-written features_step*.pt stayed behind."""
     with small_filesystem(tmp_path / "disk", "64k") as disk:
         assert main(knn_of(digits_export, disk / "run")) == 2

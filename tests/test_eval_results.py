@@ -30,13 +30,13 @@ def test_result_extra_file_and_scalars_once_however_often_written(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # tensorboard's thread's own report
 def test_a_result_on_a_full_disk_names_the_file_and_leaves_nothing_half_written(tmp_path):
-    """A real full disk (tests/eval_helpers.py: small_filesystem). A small write finds the disk full only when it is
+    """A real full disk (tests/run_helpers.py: small_filesystem). A small write finds the disk full only when it is
     flushed, in an OSError that names no file (and tensorboard's writer thread names none either): `python -m eval`
     said "cannot write None"."""
     import errno
 
     from pretrain.runtime.atomic_write import write_text_atomically
-    from tests.eval_helpers import small_filesystem
+    from tests.run_helpers import small_filesystem
 
     with small_filesystem(tmp_path / "disk", "64k") as disk:
         with pytest.raises(OSError):

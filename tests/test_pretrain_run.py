@@ -4,7 +4,6 @@ directory, a corrupt newest checkpoint, a torn metrics line, a stale build lock 
 import json
 import math
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -20,8 +19,8 @@ from pretrain.runtime.graceful_stop import GracefulStop
 from tests.conftest import wait_for
 from tests.engine_helpers import SMALL_RESNET
 from tests.machine_speed import scaled
-from tests.run_helpers import (ROOT, differences, final_state, hand_computed_lr, kill_process_tree, logged, run,
-                               start)
+from tests.run_helpers import (ROOT, differences, final_state, hand_computed_lr, kill_process_tree, logged, remount,
+                               run, small_filesystem, start)
 
 CONFIG = ROOT / "configs/pretrain/simclr_digits.yaml"
 TINY = ["data.batch_size=32", "data.num_workers=1", "model.proj_hidden_dim=64", "model.proj_out_dim=32",
@@ -453,33 +452,19 @@ def test_one_run_per_directory_and_a_killed_runs_lock_and_logs_are_taken_over(di
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_keeps_the_last_complete_one_and_the_run_resumes(digits, tmp_path):
-    """A real full disk: the run directory on a 170 MB tmpfs, mounted in a private mount namespace (nothing
-    leaks out of the test). A checkpoint here is 86 MB and the export 43 MB: the first checkpoint fits, the
-    second does not. Then the tmpfs grows and the same command resumes."""
-    disk, out = tmp_path / "disk", tmp_path / "out"
-    disk.mkdir()
-    out.mkdir()
-    command = " ".join(shlex.quote(part) for part in pretrain_command(
-        disk / "run", digits, "engine.checkpoint_every_steps=2", "engine.keep_checkpoints=1", "engine.max_steps=6",
-        "engine.image_grid_every_steps=0"))
-    script = f"""
-        mount -t tmpfs -o size=170m tmpfs {disk}
-        {command} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.code
-        ls {disk}/run/checkpoints > {out}/after_first.txt; cp {disk}/run/checkpoints/latest {out}/latest
-        mount -o remount,size=400m {disk}
-        {command} > {out}/second.out 2> {out}/second.err; echo $? > {out}/second.code
-        cp {disk}/run/metrics.jsonl {out}/
-    """
-    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
-        ["unshare", "--user", "--map-root-user", "--mount"]
-    subprocess.run([*namespace, "bash", "-c", script], cwd=ROOT, check=True, timeout=scaled(300))
-
-    first_error = (out / "first.err").read_text()
-    assert (out / "first.code").read_text().strip() == "2", first_error[-3000:]
-    assert "could not write checkpoint" in first_error and "step00000004: no space left on device" in first_error
-    assert "the last complete checkpoint is step00000002" in first_error
-    assert (out / "after_first.txt").read_text().split() == ["latest", "step00000002"]   # partial one removed
-    assert (out / "latest").read_text() == "step00000002"
-    assert (out / "second.code").read_text().strip() == "0", (out / "second.err").read_text()[-3000:]
-    assert "resumed" in (out / "second.out").read_text() and "at step 2 " in (out / "second.out").read_text()
-    assert [line["step"] for line in logged(out)] == [1, 2, 3, 4, 5, 6]
+    """A real full disk: the run directory on a 170 MB tmpfs in a private mount namespace (tests/run_helpers.py:
+    small_filesystem). A checkpoint here is 86 MB and the export 43 MB: the first checkpoint fits, the second does
+    not. Then the tmpfs grows and the same command resumes."""
+    with small_filesystem(tmp_path / "disk", "170m") as disk:
+        command = pretrain_command(disk / "run", digits, "engine.checkpoint_every_steps=2", "engine.keep_checkpoints=1",
+                                   "engine.max_steps=6", "engine.image_grid_every_steps=0")
+        first_error = run(command, expect=2).stderr
+        assert "could not write checkpoint" in first_error and "step00000004: no space left on device" in first_error
+        assert "the last complete checkpoint is step00000002" in first_error
+        checkpoints = disk / "run" / "checkpoints"
+        assert sorted(os.listdir(checkpoints)) == ["latest", "step00000002"]          # the partial one removed
+        assert (checkpoints / "latest").read_text() == "step00000002"
+        remount(disk, "size=400m")
+        second = run(command)
+        assert "resumed" in second.stdout and "at step 2 " in second.stdout
+        assert [line["step"] for line in logged(disk / "run")] == [1, 2, 3, 4, 5, 6]

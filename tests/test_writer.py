@@ -95,11 +95,9 @@ def test_write_digits_skips_existing_files_unless_forced(tmp_path):
 
 @pytest.mark.slow
 def test_cli_reports_a_missing_folder_and_has_help(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "pretrain.data", "write", "--image-folder", str(tmp_path / "nope"),
-                          "--out", str(tmp_path / "x.beton")], cwd=REPO_ROOT, capture_output=True, text=True)
+    run = write_cli("--image-folder", str(tmp_path / "nope"), "--out", str(tmp_path / "x.beton"))
     assert run.returncode == 2 and "does not exist" in run.stderr
-    helped = subprocess.run([sys.executable, "-m", "pretrain.data", "write", "--help"], cwd=REPO_ROOT,
-                            capture_output=True, text=True)
+    helped = write_cli("--help")
     assert helped.returncode == 0 and "--max-side" in helped.stdout
 
 
@@ -260,29 +258,23 @@ def test_every_format_pillow_decodes_is_written_and_a_jpeg_quality_outside_1_to_
 
 @pytest.mark.slow
 def test_a_full_disk_ends_the_write_with_the_reason_and_no_partial_file(tmp_path):
-    """A real full disk: the output folder on a 300 KB tmpfs in a private mount namespace. FFCV's workers die on
-    ENOSPC and its parent used to wait for them forever, the partial file keeping the disk full."""
-    import shlex
+    """A real full disk: the output folder on a 300 KB tmpfs in a private mount namespace (tests/run_helpers.py:
+    small_filesystem). FFCV's workers die on ENOSPC and its parent used to wait for them forever (the forked run's
+    timeout names such a hang), the partial file keeping the disk full."""
+    from tests.run_helpers import small_filesystem
 
     images = tmp_path / "images" / "noise"
     images.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for i in range(300):
         Image.fromarray((rng.random((64, 64, 3)) * 255).astype(np.uint8)).save(images / f"{i}.png")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    write = " ".join(shlex.quote(part) for part in [sys.executable, "-m", "pretrain.data", "write", "--image-folder",
-                                                    str(tmp_path / "images"), "--out", str(disk / "x.beton"),
-                                                    "--write-mode", "raw"])
-    script = (f"mount -t tmpfs -o size=300k tmpfs {disk}; timeout {scaled(120):.0f} {write} 2> {tmp_path}/err; "
-              f"echo $? > {tmp_path}/code; ls -A {disk} > {tmp_path}/left")
-    namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else \
-        ["unshare", "--user", "--map-root-user", "--mount"]
-    subprocess.run([*namespace, "bash", "-c", script], check=True, timeout=scaled(180))
-    last_line = (tmp_path / "err").read_text().strip().splitlines()[-1]
-    assert (tmp_path / "code").read_text().strip() == "2", last_line        # not 124: it did not hang
-    assert last_line.startswith("error: ") and "no space left on device" in last_line
-    assert (tmp_path / "left").read_text().split() == []                    # no partial .beton keeps the disk full
+    with small_filesystem(tmp_path / "disk", "300k") as disk:
+        written = write_cli("--image-folder", str(tmp_path / "images"), "--out", str(disk / "x.beton"),
+                            "--write-mode", "raw")
+        last_line = written.stderr.strip().splitlines()[-1]
+        assert written.returncode == 2, last_line
+        assert last_line.startswith("error: ") and "no space left on device" in last_line
+        assert os.listdir(disk) == []                                       # no partial .beton keeps the disk full
 
 
 SLOW_WRITE = """
