@@ -8,7 +8,7 @@ Why: capping torch's instruction sets (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_I
 the AVX2-only EPYC's kernels, numbers and emulated bf16, but not its speed: tests/machine_speed.py measured 1.9-2.2
 there against 4.85-6.62 on the AVX2-only EPYC itself, whose fp32 steps and interpreter starts were about 3x slower.
 With the busy loops at nice -3 (weight 1,991 against a nice-0 thread's 1,024: the command's threads get about a
-third of each core they run on) the capped AVX-512 EPYC measured 6.49-7.33 over five readings, at nice -2 5.62
+third of each core they run on) the capped AVX-512 EPYC measured 6.49-7.40 over seven readings, at nice -2 5.62
 (docs/tests.md, "A slow CPU on a fast one"). Unlike a CPU quota (cgroups' cpu.max), the share is per thread: a single-threaded start-up and a 2-process
 run are slowed alike, as on a slower CPU.
 
