@@ -6,11 +6,14 @@ share of every core, so each thread of the command runs about as fast as on a CP
 
 Why: capping torch's instruction sets (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) on an AVX-512 EPYC gives
 the AVX2-only EPYC's kernels, numbers and emulated bf16, but not its speed: tests/machine_speed.py measured 1.9-2.2
-there against 4.85-6.62 on the AVX2-only EPYC itself, whose fp32 steps and interpreter starts were about 3x slower.
-With the busy loops at nice -3 (weight 1,991 against a nice-0 thread's 1,024: the command's threads get about a
-third of each core they run on) the capped AVX-512 EPYC measured 6.49-7.40 over seven readings, at nice -2 5.62
-(docs/tests.md, "A slow CPU on a fast one"). Unlike a CPU quota (cgroups' cpu.max), the share is per thread: a single-threaded start-up and a 2-process
-run are slowed alike, as on a slower CPU.
+there against 4.8-7.2 on the AVX2-only EPYC itself, whose fp32 steps and interpreter starts were about 3x slower.
+With the busy loops at nice -3 (weight 1,991 against a nice-0 thread's 1,024: one thread of the command on a core
+gets about a third of it, 1,024 / 3,015; two on one core share about half, 2,048 / 4,039, so a busy phase is slowed
+less than a lightly loaded one, unlike on a slower CPU) the capped AVX-512 EPYC measured 6.49-7.40 over seven
+readings, at nice -2 5.62 (docs/tests.md, "A slow CPU on a fast one" and the afternoon's correction: the suite's wall
+under the model was 2.52x the native one, 2.75x on the AVX2-only EPYC). Unlike a CPU quota (cgroups' cpu.max), the
+share is per core, not per process group: a single-threaded start-up and a 2-process run (a process a core) are
+slowed alike, as on a slower CPU.
 
 Needs root: a negative nice, and the scheduler's autogroups off for the run (with them on, each session's threads
 share one weight, and the loops' nice would not count against the command's); both are restored at the end. Where
