@@ -9,7 +9,7 @@ the AVX2-only EPYC's kernels, numbers and emulated bf16, but not its speed: test
 there against 4.8-7.2 on the AVX2-only EPYC itself, whose fp32 steps and interpreter starts were about 3x slower.
 With the busy loops at nice -3 (weight 1,991 against a nice-0 thread's 1,024: one thread of the command on a core
 gets about a third of it, 1,024 / 3,015; two on one core share about half, 2,048 / 4,039, so a busy phase is slowed
-less than a lightly loaded one, unlike on a slower CPU) the capped AVX-512 EPYC measured 6.49-7.40 over seven
+less than a lightly loaded one, unlike on a slower CPU) the capped AVX-512 EPYC measured 6.49-7.82 over eight
 readings, at nice -2 5.62 (docs/tests.md, "A slow CPU on a fast one" and the afternoon's correction: the suite's wall
 under the model was 2.52x the native one, 2.75x on the AVX2-only EPYC). Unlike a CPU quota (cgroups' cpu.max), the
 share is per core, not per process group: a single-threaded start-up and a 2-process run (a process a core) are
