@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.__main__ import main
+from tests.run_helpers import small_filesystem
 
 ROOT = Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs/pretrain/simclr_digits.yaml")
@@ -161,8 +162,6 @@ def test_a_run_directory_on_a_read_only_filesystem_is_refused_in_one_line(tmp_pa
     """A real read-only filesystem (a tmpfs mounted ro in a private mount namespace, tests/run_helpers.py:
     small_filesystem; chmod does not stop root): the run's directory cannot be created there, said in one line with
     exit status 2, not a traceback."""
-    from tests.run_helpers import small_filesystem
-
     with small_filesystem(tmp_path / "disk", "1m", read_only=True) as disk:
         refused(capsys, ["--config", CONFIG, f"run_dir={disk / 'run'}", f"data.train={digits / 'train.beton'}",
                          f"data.val={digits / 'val.beton'}"], f"error: cannot write {disk}: Read-only file system")

@@ -16,6 +16,7 @@ from PIL import Image
 from pretrain.data.digits import digits_images, digits_split, write_digits
 from pretrain.data.writer import classes_path, list_image_folder, skipped_report_path, write_image_folder
 from tests.machine_speed import scaled
+from tests.run_helpers import small_filesystem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -261,8 +262,6 @@ def test_a_full_disk_ends_the_write_with_the_reason_and_no_partial_file(tmp_path
     """A real full disk: the output folder on a 300 KB tmpfs in a private mount namespace (tests/run_helpers.py:
     small_filesystem). FFCV's workers die on ENOSPC and its parent used to wait for them forever (the forked run's
     timeout names such a hang), the partial file keeping the disk full."""
-    from tests.run_helpers import small_filesystem
-
     images = tmp_path / "images" / "noise"
     images.mkdir(parents=True)
     rng = np.random.default_rng(0)
