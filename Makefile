@@ -8,27 +8,28 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+UV_INSTALL := $(VENV)/bin/uv pip install -q --python $(PY)
 APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev dataset-fashion-mnist
 
 .PHONY: install demo demo-detection test test-fast bench bench-peers gpu-check clean-runs
 
 install: $(VENV)/.installed
 
-# FFCV compiles against OpenCV and libjpeg-turbo; dataset-fashion-mnist holds the benchmark's IDX files. torch and torchvision come from the package registry
-# (CUDA build, runs on CPUs too): `pip --isolated` ignores a local CPU-only torch wheel that pip may be
-# configured to prefer, with which torchvision's compiled ops do not load. The installed modules are compiled to
-# bytecode on every core after pip (pip compiles them one at a time: 30 of its 57 s of CPU on the AVX-512 EPYC; on
-# all cores the install took 41 + 18 s there instead of 72); a file for another Python (torch ships one) is left
-# uncompiled, as pip leaves it.
+# FFCV compiles against OpenCV and libjpeg-turbo; dataset-fashion-mnist holds the benchmark's IDX files. The packages
+# come from the package registry, installed by uv (pip installs uv, and brings itself up to date for the Detectron2
+# build of docs/transfer.md): uv downloads, unpacks and compiles to bytecode on every core, where pip does one file
+# at a time (a cold install took 117 s instead of 242 s on the slow-CPU model of tests/slow_cpu.py, about 52 s
+# instead of 92 s on the AVX-512 EPYC; docs/tests.md). torch and torchvision are the registry's CUDA build (it runs
+# on CPUs too); uv does not read pip's configuration, which may point at a local CPU-only torch wheel with which
+# torchvision's compiled ops do not load (as `pip --isolated` does not).
 $(VENV)/.installed: pyproject.toml
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
 		else echo "FFCV and the Fashion-MNIST benchmark need the Debian packages: $(APT_PACKAGES) (run as root, or: sudo apt-get install $(APT_PACKAGES))"; exit 1; fi; \
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip --isolated install -q --upgrade pip
-	$(PY) -m pip --isolated install -q --no-compile -e ".[test]"
-	$(PY) -c "import compileall; compileall.compile_dir('$(VENV)/lib', quiet=2, workers=0)"
+	$(PY) -m pip --isolated install -q --upgrade pip uv==0.13.10
+	$(UV_INSTALL) --compile-bytecode -e ".[test]"
 	touch $@
 
 demo: install
@@ -72,10 +73,10 @@ bench: install
 	$(PY) -m pretrain.bench loader
 	$(PY) -m pretrain.bench hvs
 
-# lightly 1.6 over this project's torch / torchvision: --no-deps keeps pip from replacing them (its transforms import
+# lightly 1.6 over this project's torch / torchvision: --no-deps keeps uv from replacing them (its transforms import
 # lightning_utilities, nothing else of its requirements is needed for what the benchmark uses).
 bench-peers: install
-	$(PY) -m pip --isolated install -q --no-deps lightly==1.6.0 lightning-utilities==0.15.3
+	$(UV_INSTALL) --no-deps lightly==1.6.0 lightning-utilities==0.15.3
 	$(PY) -m pretrain.bench peers --seeds 0 1 2
 
 gpu-check: install

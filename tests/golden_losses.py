@@ -66,21 +66,23 @@ def command(name: str, config: str, overrides: list[str], digits: Path, run_dir:
             f"data.val={digits / 'val.beton'}", *COMMON, *batch, *overrides]
 
 
-def recorded(run_dir: Path) -> dict[str, list[float]]:
-    """The stored values of a finished run: per recorded scalar, its value at steps 1..STEPS."""
+def recorded(run_dir: Path, steps: int = STEPS) -> dict[str, list[float]]:
+    """The stored values of a finished run: per recorded scalar, its value at steps 1..`steps`."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    if [line["step"] for line in lines] != list(range(1, STEPS + 1)):
-        raise ValueError(f"{run_dir}: expected steps 1-{STEPS} logged, got {[line['step'] for line in lines]}")
+    if [line["step"] for line in lines] != list(range(1, steps + 1)):
+        raise ValueError(f"{run_dir}: expected steps 1-{steps} logged, got {[line['step'] for line in lines]}")
     return {key: [line[key] for line in lines] for key in RECORDED if key in lines[0]}
 
 
 def relative_differences(a: dict[str, list[float]], b: dict[str, list[float]]) -> list[float]:
-    """Per step, the largest |a - b| / max(|b|, FLOOR) over the recorded values (inf where the two record different
-    things). FLOOR keeps values near 0 (SimSiam's loss, a negative cosine near -0.01 at first) from inflating it."""
+    """Per step of `a` (the first steps of `b`'s), the largest |a - b| / max(|b|, FLOOR) over the recorded values (inf
+    where the two record different things). FLOOR keeps values near 0 (SimSiam's loss, a negative cosine near -0.01 at
+    first) from inflating it."""
+    steps = len(next(iter(a.values())))
     if a.keys() != b.keys():
-        return [math.inf] * STEPS
+        return [math.inf] * steps
     return [max(abs(x[step] - y[step]) / max(abs(y[step]), FLOOR) for x, y in ((a[key], b[key]) for key in a))
-            for step in range(STEPS)]
+            for step in range(steps)]
 
 
 def allowed(step: int, spread: float = 0.0) -> float:
