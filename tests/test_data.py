@@ -154,11 +154,12 @@ def test_each_image_is_decoded_once_however_many_views(dataset, monkeypatch):
     assert len(decoded) == 40
 
 
-def test_ffcvs_integer_decoders_and_crop_box_are_loaded_from_numbas_cache_and_decode_the_same(dataset, monkeypatch):
-    """pretrain/data/numba_cache.py: FFCV compiles each loader's functions anew; the integer decoders and the centre
-    crop's box are compiled once into numba's cache folder and every later compilation of them, in this process or
-    another, loads them from there, decoding the same. Nothing else FFCV compiles is cached (the image decoders and
-    FFCV's C calls hold this process's addresses)."""
+def test_ffcvs_integer_decoders_crop_box_and_page_reader_come_from_numbas_cache_and_decode_the_same(dataset,
+                                                                                                   monkeypatch):
+    """pretrain/data/numba_cache.py: FFCV compiles each loader's functions anew; the integer decoders, the centre
+    crop's box and the page reader are compiled once into numba's cache folder and every later compilation of them,
+    in this process or another, loads them from there, decoding the same. Nothing else FFCV compiles is cached (the
+    image decoders and FFCV's C calls hold this process's addresses)."""
     from pretrain.data import ffcv_loader
 
     compiled = []
@@ -179,13 +180,14 @@ def test_ffcvs_integer_decoders_and_crop_box_are_loaded_from_numbas_cache_and_de
              for _ in range(2)]
     cached = [d for d in compiled if d.stats.cache_path]
     assert sorted({d.py_func.__qualname__ for d in cached}) == ["BasicDecoder.generate_code.<locals>.decoder",
+                                                                "OSCacheManager.compile_reader.<locals>.read",
                                                                 "get_center_crop"]
     assert len(compiled) > len(cached)                  # the image decoders and FFCV's C calls, not cached
     hits = sum(sum(d.stats.cache_hits.values()) for d in cached)
     misses = sum(sum(d.stats.cache_misses.values()) for d in cached)
-    # 4 + 2 + 2 integer fields and 2 crop boxes run: each kind compiled at most once (by the first loader that needs
-    # it, in this process or an earlier one), every later one loaded from the folder
-    assert hits + misses == 10 and misses <= 2
+    # 4 + 2 + 2 integer fields, 2 crop boxes and 3 readers (one a loader) run: each kind compiled at most once (by the
+    # first loader that needs it, in this process or an earlier one), every later one loaded from the folder
+    assert hits + misses == 13 and misses <= 3
     assert (labels.numpy() == dataset["labels"]).all() and torch.equal(indices, torch.arange(44))
     assert (torch.stack([heights, widths], 1).numpy() == dataset["hw"]).all()
     assert torch.equal(*crops)                          # the same crops, whichever box decoder was compiled or loaded
