@@ -4,6 +4,7 @@
 # make test-fast  the unit tier only: the tests not marked slow or slurm (about a minute on an AVX-512 EPYC, 5 on an AVX2-only one)
 # make bench  loader and hard-view-selection benchmarks (tables + JSON under bench/)
 # make bench-peers  installs lightly (the peer library, not a dependency of the package), then this project against it on Fashion-MNIST
+# make gpu-wheels  the wheels the GPU lease's image lacks (Python 3.12, no registry there) in .whl/: python -m launch wheels
 # make gpu-check  on a machine with a CUDA GPU: the GPU-only tests, the step against a plain loop, the GPU throughput (8 min)
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +12,7 @@ PY := $(VENV)/bin/python
 UV_INSTALL := $(VENV)/bin/uv pip install -q --python $(PY)
 APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev dataset-fashion-mnist
 
-.PHONY: install demo demo-detection test test-fast bench bench-peers gpu-check clean-runs
+.PHONY: install demo demo-detection test test-fast bench bench-peers gpu-wheels gpu-check clean-runs
 
 install: $(VENV)/.installed
 
@@ -78,6 +79,13 @@ bench: install
 bench-peers: install
 	$(UV_INSTALL) --no-deps lightly==1.6.0 lightning-utilities==0.15.3
 	$(PY) -m pretrain.bench peers --seeds 0 1 2
+
+# What a machine without a package registry lacks, as wheels for its Python: here the GPU lease's image
+# (configs/launch/gpu_lease_packages.txt); carry .whl there and `python3 -m pip install --no-index --no-deps .whl/*.whl`.
+# FFCV and DeepSpeed are built here with a Python 3.12: BUILD_PYTHON=PATH names one, else uv finds one.
+gpu-wheels: install
+	rm -rf .whl
+	$(PY) -m launch wheels --have configs/launch/gpu_lease_packages.txt --python-version 3.12 --out .whl $(if $(BUILD_PYTHON),--build-python $(BUILD_PYTHON))
 
 gpu-check: install
 	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on a machine with one; the CPU tests are make test.')"

@@ -15,6 +15,8 @@
   benchmark    a benchmark file's rows as jobs (pretraining runs with a budget of minutes or steps, evaluated at
                marks along the way; cross-entropy; raw pixels and random init): the table and the accuracy-against-
                minutes plot
+  wheels       the wheels of the dependencies a machine without a package registry lacks (a GPU lease, a
+               cluster's offline nodes), for its Python and platform, built here where only sources exist
 
 Each command prints the job id, its log files and the run directory; every job submitted for a run is
 recorded in RUN_DIR/jobs.jsonl (what `status` reads). Where a job runs comes from --preset (a YAML file of
@@ -41,6 +43,7 @@ COMMANDS: dict[str, str] = {
     "hpo": "launch.hpo",
     "hpo-replay": "launch.hpo_replay",
     "benchmark": "launch.benchmark",
+    "wheels": "launch.wheels",
 }
 
 
