@@ -25,7 +25,9 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -84,6 +86,25 @@ def write_result(run_dir: str | Path, name: str, step: int, result: Mapping[str,
     return path
 
 
+@contextmanager
+def writer_thread_errors_reported_once() -> Iterator[None]:
+    """TensorBoard's writer thread keeps an OSError it meets (a full disk) for the caller's next write, flush or close
+    to raise, and then raises it in its own thread too, where `threading.excepthook` prints its traceback beside the
+    caller's error. For the duration of the block, such an error of that thread (tensorboard's `_AsyncWriterThread`)
+    is left to the caller; every other thread's exception goes to the hook as before."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
 def write_scalars(log_dir: Path, stem: str, step: int, scalars: Mapping[str, float]) -> None:
     """`scalars` at global step `step` in LOG_DIR/events.out.tfevents.*.{stem}, replacing any earlier such file."""
     from torch.utils.tensorboard import SummaryWriter  # tensorboard import is slow; only pay for it here
@@ -92,12 +113,13 @@ def write_scalars(log_dir: Path, stem: str, step: int, scalars: Mapping[str, flo
     for earlier in Path(log_dir).glob(f"events.out.tfevents.*{suffix}"):
         earlier.unlink()
     try:
-        writer = SummaryWriter(log_dir=str(log_dir), filename_suffix=suffix)
-        try:
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, global_step=int(step))
-        finally:
-            writer.close()
+        with writer_thread_errors_reported_once():
+            writer = SummaryWriter(log_dir=str(log_dir), filename_suffix=suffix)
+            try:
+                for tag, value in scalars.items():
+                    writer.add_scalar(tag, value, global_step=int(step))
+            finally:
+                writer.close()
     except OSError as error:
         if error.filename is None:        # a full disk met by tensorboard's writer thread, which names no file
             error.filename = str(log_dir)
