@@ -28,7 +28,6 @@ def test_result_extra_file_and_scalars_once_however_often_written(tmp_path):
         "detection_random_step0000042.json", "detection_random_step0000042_detections.json"]   # no temporary left
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # tensorboard's thread's own report
 def test_a_result_on_a_full_disk_names_the_file_and_leaves_nothing_half_written(tmp_path):
     """A real full disk (tests/run_helpers.py: small_filesystem). A small write finds the disk full only when it is
     flushed, in an OSError that names no file (and tensorboard's writer thread names none either): `python -m eval`
