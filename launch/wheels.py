@@ -25,6 +25,7 @@ headless build is installed.
 from __future__ import annotations
 
 import argparse
+import platform
 import re
 import shutil
 import subprocess
@@ -85,8 +86,6 @@ def manylinux_platforms(glibc: str) -> list[str]:
 
 def this_machines_glibc() -> str:
     """'2.36' on Debian 12: the default --glibc, the oldest a wheel built here can need."""
-    import platform
-
     library, version = platform.libc_ver()
     return version if library == "glibc" and version else "2.28"
 
